@@ -1,0 +1,38 @@
+# The two commands a user needs: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+BENCH_VENV := .bench-venv
+
+.PHONY: demo test bench bench-quick lint install bench-env clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/spotswarm demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	@set -e; for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done
+
+bench-quick: $(STAMP)
+	@set -e; for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b --quick; done
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# A separate virtualenv with the reference library, for --vs-hivemind comparisons only.
+bench-env:
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 hivemind
+
+clean:
+	rm -rf $(VENV) $(BENCH_VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,6 @@
+"""dht: a Kademlia distributed hash table over the p2p layer.
+
+Peers find each other here with no central server: expert servers declare their experts, averaging
+groups meet, training progress is tracked and state donors are found. Records expire, may hold
+subkeys merged across writers, and may be signed by their owner.
+"""

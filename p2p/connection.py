@@ -1,0 +1,447 @@
+"""One TCP connection between two peers: handshake, multiplexed streams, flow control.
+
+Either side may open calls on a connection once the handshake proved both identities; the dialer
+numbers its streams odd and the acceptor even, so ids never collide.  Protocol errors close the
+connection with a logged reason and fail only the calls that were on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    PeerIDMismatch,
+    PeerUnreachable,
+    ProtocolError,
+    RemoteError,
+    ResourceExhausted,
+    RPCTimeout,
+)
+from .identity import PeerID, verify
+from .wire import Decoder
+
+if TYPE_CHECKING:
+    from .node import P2P
+
+logger = logging.getLogger(__name__)
+
+# Message kinds (header key "t").
+HELLO, PROOF, OPEN, DATA, END, ERROR, CANCEL, GOAWAY = range(1, 9)
+VERSION = 1
+_HANDSHAKE_CONTEXT = b"spotswarm/handshake/v1"
+_WRITE_HIGH_WATER = 256 * 1024
+
+
+class Retry(PeerUnreachable):
+    """The peer announced it would not process this call (GOAWAY); safe to retry elsewhere."""
+
+
+class Stream:
+    """One call on a connection, as seen from either end: a queue of received items plus sending."""
+
+    __slots__ = ("conn", "sid", "method", "items", "waiter", "eof", "error", "sent_end", "finished")
+
+    def __init__(self, conn: Connection, sid: int, method: str) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.method = method
+        self.items: deque[tuple[Any, int]] = deque()
+        self.waiter: asyncio.Future | None = None
+        self.eof = False
+        self.error: BaseException | None = None
+        self.sent_end = False
+        self.finished = False  # removed from the connection; no further sends
+
+    # ---- receiving -------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def push(self, item: Any, nbytes: int) -> None:
+        self.items.append((item, nbytes))
+        self._wake()
+
+    def push_eof(self) -> None:
+        self.eof = True
+        self._wake()
+
+    def push_error(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self._wake()
+
+    async def recv(self) -> Any:
+        """Next item; raises StopAsyncIteration at the end of the remote's messages."""
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            if self.eof:
+                raise StopAsyncIteration
+            self.waiter = self.conn.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item, nbytes = self.items.popleft()
+        self.conn.consumed(nbytes)
+        return item
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self.recv()
+
+    # ---- sending ---------------------------------------------------------------------------
+    async def send(self, item: Any, end: bool = False) -> None:
+        """Send one item; waits while the socket's write buffer is full (backpressure)."""
+        if self.sent_end:
+            raise RuntimeError(f"stream {self.method} already finished sending")
+        self.sent_end = end
+        await self.conn.send({"s": self.sid, "t": DATA, "e": int(end), "p": item})
+
+    async def done_writing(self) -> None:
+        if not self.sent_end:
+            self.sent_end = True
+            await self.conn.send({"s": self.sid, "t": END})
+
+    def release(self) -> None:
+        """Drop unread items (returning their bytes to flow control) and forget the stream."""
+        self.finished = True
+        while self.items:
+            self.conn.consumed(self.items.popleft()[1])
+        self.conn.streams.pop(self.sid, None)
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, node: P2P, dialer: bool, expected_peer: PeerID | None = None) -> None:
+        self.node = node
+        self.loop = node.loop
+        self.limits = node.limits
+        self.decoder = Decoder(node.limits)
+        self.dialer = dialer
+        self.expected_peer = expected_peer
+        self.transport: asyncio.Transport | None = None
+        self.remote_addr: Any = None
+        self.remote_id: PeerID | None = None
+        self.remote_client_mode = False
+        self.remote_listen: str | None = None
+        self.ready: asyncio.Future = self.loop.create_future()
+        self.is_ready = False
+        self.closed_future: asyncio.Future = self.loop.create_future()
+        self.streams: dict[int, Stream] = {}
+        self.handlers: dict[int, asyncio.Task] = {}
+        self.closed = False
+        self.close_reason = ""
+        self.going_away = False  # no new calls on this connection
+        self.remote_goaway: int | None = None
+        self.last_activity = self.loop.time()
+        self._nonce = os.urandom(16)
+        self._remote_pk = b""
+        self._remote_nonce = b""
+        self._next_sid = 1 if dialer else 2
+        self._max_remote_sid = 0
+        self._buffered = 0
+        self._reading_paused = False
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future] = []
+
+    # ---- asyncio protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.node._track(self)
+        self.remote_addr = transport.get_extra_info("peername")
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER, low=0)
+        me = self.node.identity
+        hello = {"t": HELLO, "s": 0, "v": VERSION, "pk": me.public_key, "n": self._nonce,
+                 "c": int(self.node.client_mode), "l": self.node.listen_address_str}
+        self._write(self.node.encoder.encode(hello))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        self.last_activity = self.loop.time()
+        try:
+            for header, size in self.decoder.buffer_updated(nbytes):
+                self._dispatch(header, size)
+                if self.closed:
+                    return
+        except ProtocolError as e:
+            self.abort(f"protocol error: {e}")
+
+    def eof_received(self) -> bool:
+        return False
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.close_reason = self.close_reason or (f"connection lost: {exc}" if exc else "closed by peer")
+        self._fail_everything()
+        self.node._forget(self)
+        if not self.closed_future.done():
+            self.closed_future.set_result(None)
+
+    # ---- writing ---------------------------------------------------------------------------
+    def _write(self, bufs: list) -> None:
+        assert self.transport is not None
+        if len(bufs) == 1:
+            self.transport.write(bufs[0])
+        else:
+            self.transport.writelines(bufs)
+
+    def send_nowait(self, header: dict) -> None:
+        """Encode and queue a message (EncodeError goes to the caller; nothing is sent then)."""
+        bufs = self.node.encoder.encode(header)
+        if self.closed:
+            raise PeerUnreachable(self._unreachable_text())
+        self.last_activity = self.loop.time()
+        self._write(bufs)
+
+    async def send(self, header: dict) -> None:
+        """Like send_nowait, then wait until the socket took the bytes if its buffer was full.
+
+        Returning means tensors in the message were either sent or copied by the transport, so
+        the caller may modify them.
+        """
+        self.send_nowait(header)
+        if self._write_paused:
+            await self.drain()
+
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer has emptied."""
+        while self._write_paused and not self.closed:
+            w = self.loop.create_future()
+            self._drain_waiters.append(w)
+            await w
+        if self.closed:
+            raise PeerUnreachable(self._unreachable_text())
+
+    def _send_quiet(self, header: dict) -> None:
+        """Best-effort control message (errors, cancels): a dead connection is not the sender's problem."""
+        if not self.closed:
+            try:
+                self.send_nowait(header)
+            except Exception as e:  # an unencodable error message must not kill the handler path
+                logger.debug("could not send control message %s: %s", header.get("t"), e)
+
+    # ---- dispatch --------------------------------------------------------------------------
+    def _dispatch(self, h: dict, size: int) -> None:
+        kind = h.get("t")
+        sid = h.get("s")
+        if type(sid) is not int or type(kind) is not int:
+            raise ProtocolError("header lacks an integer stream id 's' or kind 't'")
+        if not self.is_ready:
+            if kind == HELLO or kind == PROOF:
+                self._on_handshake(kind, h)
+                return
+            raise ProtocolError(f"message kind {kind} before the handshake finished")
+        if kind == OPEN:
+            self._on_open(sid, h, size)
+            return
+        if kind == HELLO or kind == PROOF:
+            raise ProtocolError("repeated handshake message")
+        if kind == GOAWAY:
+            self._on_goaway(h)
+            return
+        stream = self.streams.get(sid)
+        if kind == CANCEL:
+            task = self.handlers.get(sid)
+            if task is not None:
+                task.cancel()
+            return
+        if stream is None:
+            return  # a late message for a call we already finished or cancelled: harmless
+        if kind == DATA:
+            self._hold(size)
+            stream.push(h.get("p"), size)
+            if h.get("e"):
+                stream.push_eof()
+        elif kind == END:
+            stream.push_eof()
+        elif kind == ERROR:
+            stream.push_error(_remote_error(h, stream.method))
+        else:
+            raise ProtocolError(f"unknown message kind {kind}")
+
+    def _on_handshake(self, kind: int, h: dict) -> None:
+        me = self.node.identity
+        if kind == HELLO:
+            pk, nonce = h.get("pk"), h.get("n")
+            if self._remote_pk or not isinstance(pk, bytes) or len(pk) != 32 \
+                    or not isinstance(nonce, bytes) or len(nonce) != 16 or h.get("v") != VERSION:
+                raise ProtocolError("bad or repeated HELLO")
+            self._remote_pk, self._remote_nonce = pk, nonce
+            self.remote_id = PeerID.from_public_key(pk)
+            self.remote_client_mode = bool(h.get("c"))
+            listen = h.get("l")
+            self.remote_listen = listen if isinstance(listen, str) else None
+            if self.expected_peer is not None and self.remote_id != self.expected_peer:
+                self._fail_ready(PeerIDMismatch(
+                    f"{self.remote_addr} is {self.remote_id}, expected {self.expected_peer}"))
+                return
+            sig = me.sign(_HANDSHAKE_CONTEXT + nonce + me.public_key)
+            self._write(self.node.encoder.encode({"t": PROOF, "s": 0, "sig": sig}))
+            return
+        sig = h.get("sig")
+        if not self._remote_pk or self.ready.done() or not isinstance(sig, bytes):
+            raise ProtocolError("unexpected PROOF")
+        if not verify(self._remote_pk, sig, _HANDSHAKE_CONTEXT + self._nonce + self._remote_pk):
+            self._fail_ready(PeerIDMismatch(f"{self.remote_addr} failed to prove its identity"))
+            return
+        self.ready.set_result(None)
+        self.is_ready = True
+        self.node._register(self)
+
+    def _fail_ready(self, exc: Exception) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+            self.ready.exception()  # mark retrieved: the dialer may have given up already
+        self.abort(str(exc))
+
+    def _on_open(self, sid: int, h: dict, size: int) -> None:
+        if sid % 2 == self._next_sid % 2 or sid <= self._max_remote_sid:
+            raise ProtocolError(f"stream id {sid} is not a new id of the remote side")
+        self._max_remote_sid = sid
+        method = h.get("m")
+        if not isinstance(method, str):
+            raise ProtocolError("OPEN without a method name")
+        if self.going_away:
+            return  # the GOAWAY we sent tells the caller to retry elsewhere
+        if len(self.handlers) >= self.limits.max_streams:
+            self._send_quiet(_error_header(sid, "ResourceExhausted",
+                                           f"too many concurrent streams (max_streams={self.limits.max_streams})"))
+            return
+        self.node._start_handler(self, sid, method, h, size)
+
+    def _on_goaway(self, h: dict) -> None:
+        last = h.get("l")
+        self.remote_goaway = last if isinstance(last, int) else 0
+        self.going_away = True
+        self.node._unregister(self)
+        for sid, stream in list(self.streams.items()):
+            if sid % 2 == self._next_sid % 2 and sid > self.remote_goaway:
+                stream.push_error(Retry(f"{self.remote_id} closed the connection before processing the call"))
+
+    # ---- flow control ----------------------------------------------------------------------
+    def _hold(self, nbytes: int) -> None:
+        self._buffered += nbytes
+        if not self._reading_paused and self._buffered > self.limits.max_buffered_bytes and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def consumed(self, nbytes: int) -> None:
+        self._buffered -= nbytes
+        if self._reading_paused and self._buffered <= self.limits.max_buffered_bytes // 2 and not self.closed:
+            self._reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+    # ---- streams ---------------------------------------------------------------------------
+    def new_stream(self, method: str) -> Stream:
+        if self.closed or self.going_away:
+            raise Retry(self._unreachable_text())
+        sid = self._next_sid
+        self._next_sid += 2
+        stream = Stream(self, sid, method)
+        self.streams[sid] = stream
+        return stream
+
+    def add_remote_stream(self, sid: int, method: str) -> Stream:
+        stream = Stream(self, sid, method)
+        self.streams[sid] = stream
+        return stream
+
+    def cancel_stream(self, stream: Stream) -> None:
+        if not stream.finished:
+            self._send_quiet({"s": stream.sid, "t": CANCEL})
+        stream.release()
+
+    @property
+    def idle(self) -> bool:
+        return not self.streams and not self.handlers
+
+    # ---- closing ---------------------------------------------------------------------------
+    def _unreachable_text(self) -> str:
+        who = self.remote_id or self.remote_addr
+        return f"connection to {who} closed ({self.close_reason or 'closed'})"
+
+    def goaway(self) -> None:
+        """Tell the remote we take no new calls, then close; used for idle connections."""
+        if self.closed:
+            return
+        self.going_away = True
+        self.node._unregister(self)
+        self._send_quiet({"t": GOAWAY, "s": 0, "l": self._max_remote_sid})
+        self.close("idle")
+
+    def close(self, reason: str = "closed") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        if self.transport is not None:
+            self.transport.close()
+        self._fail_everything()
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection at once because of what the remote sent."""
+        if self.closed:
+            return
+        logger.warning("closing connection with %s: %s", self.remote_id or self.remote_addr, reason)
+        self.closed = True
+        self.close_reason = reason
+        if self.transport is not None:
+            self.transport.abort()
+        self._fail_everything()
+
+    def _fail_everything(self) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(PeerUnreachable(self._unreachable_text()))
+            self.ready.exception()
+        for sid, stream in list(self.streams.items()):
+            if self.remote_goaway is not None and sid % 2 == self._next_sid % 2 and sid > self.remote_goaway:
+                stream.push_error(Retry(self._unreachable_text()))
+            else:
+                stream.push_error(PeerUnreachable(self._unreachable_text()))
+        for task in list(self.handlers.values()):
+            task.cancel()
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._drain_waiters.clear()
+
+
+def _error_header(sid: int, type_name: str, message: str) -> dict:
+    return {"s": sid, "t": ERROR, "x": type_name, "msg": message}
+
+
+def _remote_error(h: dict, method: str) -> Exception:
+    type_name = str(h.get("x", "RemoteError"))
+    message = str(h.get("msg", ""))
+    if type_name == "ResourceExhausted":
+        return ResourceExhausted(type_name, message, method)
+    if type_name == "RPCTimeout":
+        return RPCTimeout(f"{method}: {message}")
+    return RemoteError(type_name, message, method)

@@ -1,0 +1,496 @@
+"""A peer on the network: listens (unless in client mode), dials, and runs RPC handlers.
+
+Many peers can live in one event loop (``spawn_peers``); nothing here is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import types
+from collections.abc import AsyncIterable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .address import PeerAddress
+from .connection import DATA, END, ERROR, OPEN, Connection, Retry, Stream
+from .errors import PeerUnreachable, RemoteError, RPCTimeout
+from .identity import Identity, PeerID
+from .limits import Limits
+from .wire import Encoder
+
+logger = logging.getLogger(__name__)
+_NOTHING: Any = object()
+PeerLike = PeerAddress | PeerID | str
+
+
+class CallKind(enum.Enum):
+    UNARY = "unary"
+    SERVER_STREAM = "server_stream"
+    CLIENT_STREAM = "client_stream"
+    BIDI = "bidi"
+
+
+@dataclass
+class CallContext:
+    """What a handler knows about the call it serves."""
+
+    peer_id: PeerID
+    method: str
+    remote_address: Any
+    remote_client_mode: bool
+    header: dict = field(repr=False)  # the OPEN header, e.g. for auth fields under "a"
+
+
+class AuthHook(Protocol):
+    """Request authentication: fills the OPEN header's "a" field and checks it on arrival.
+
+    ``outgoing`` returns the value for "a" (a token, timestamp, nonce and signature fit there);
+    ``check`` raises PermissionError to refuse a call.
+    """
+
+    def outgoing(self, method: str, header: dict) -> Any: ...
+
+    def check(self, method: str, header: dict, peer_id: PeerID) -> None: ...
+
+
+Handler = Callable[..., Any]
+
+
+class Call:
+    """The caller's end of one RPC: send items, read items, cancel; bounded by one deadline."""
+
+    def __init__(self, node: P2P, stream: Stream, deadline: float) -> None:
+        self.node = node
+        self.stream = stream
+        self.method = stream.method
+        self.deadline = deadline
+        self.timed_out = False
+        self._timer = node.loop.call_at(deadline, self._on_deadline)
+
+    @property
+    def peer_id(self) -> PeerID | None:
+        return self.stream.conn.remote_id
+
+    def _on_deadline(self) -> None:
+        if not self.stream.finished:
+            self.timed_out = True
+            self.stream.push_error(RPCTimeout(f"{self.method} to {self.peer_id} passed its deadline"))
+            self.stream.conn.cancel_stream(self.stream)
+
+    def _done(self) -> None:
+        self._timer.cancel()
+        self.stream.release()
+
+    async def send(self, item: Any) -> None:
+        if self.stream.error is not None:
+            raise self.stream.error
+        await self.stream.send(item)
+
+    async def done_writing(self) -> None:
+        await self.stream.done_writing()
+
+    async def recv(self) -> Any:
+        """Next item from the remote; StopAsyncIteration when the remote finished."""
+        try:
+            item = await self.stream.recv()
+        except StopAsyncIteration:
+            self._done()
+            raise
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        except BaseException:
+            self._done()
+            raise
+        if self.stream.eof and not self.stream.items:
+            self._done()
+        return item
+
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self.recv()
+
+    def cancel(self) -> None:
+        """Stop the call; the remote handler is cancelled."""
+        self._timer.cancel()
+        self.stream.conn.cancel_stream(self.stream)
+
+    async def aclose(self) -> None:
+        if not self.stream.finished:
+            self.cancel()
+
+    async def __aenter__(self) -> Call:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class P2P:
+    """One peer.  Create with ``await P2P.create(...)``; stop with ``await shutdown()``."""
+
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        client_mode: bool = False,
+        limits: Limits | None = None,
+        idle_timeout: float = 120.0,
+        default_timeout: float = 30.0,
+        auth: AuthHook | None = None,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.identity = identity or Identity()
+        self.client_mode = client_mode
+        self.limits = limits or Limits()
+        self.encoder = Encoder(self.limits)
+        self.idle_timeout = idle_timeout
+        self.default_timeout = default_timeout
+        self.auth = auth
+        self.address: PeerAddress | None = None
+        self._server: asyncio.Server | None = None
+        self._handlers: dict[str, tuple[Handler, CallKind]] = {}
+        self._connections: set[Connection] = set()
+        self._by_peer: dict[PeerID, Connection] = {}
+        self._by_addr: dict[tuple[str, int], Connection] = {}
+        self._dialing: dict[tuple[str, int], asyncio.Future] = {}
+        self._handler_tasks: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
+        self._closed = False
+
+    @classmethod
+    async def create(cls, host: str = "127.0.0.1", port: int = 0, *, client_mode: bool = False,
+                     **kwargs: Any) -> P2P:
+        """Start a peer; it listens on ``host:port`` (port 0 picks a free one) unless ``client_mode``."""
+        node = cls(client_mode=client_mode, **kwargs)
+        if not client_mode:
+            node._server = await node.loop.create_server(
+                lambda: Connection(node, dialer=False), host, port, reuse_address=True)
+            sock_host, sock_port = node._server.sockets[0].getsockname()[:2]
+            node.address = PeerAddress(sock_host, sock_port, node.peer_id)
+        node._sweeper = node.loop.create_task(node._sweep_idle())
+        return node
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.identity.peer_id
+
+    @property
+    def listen_address_str(self) -> str | None:
+        return str(self.address.without_id()) if self.address else None
+
+    def __repr__(self) -> str:
+        return f"P2P({self.peer_id!r}, {self.listen_address_str or 'client mode'})"
+
+    # ---- handlers --------------------------------------------------------------------------
+    def register(self, method: str, handler: Handler, kind: CallKind = CallKind.UNARY) -> None:
+        """Serve ``method``.  Unary: ``async (request, ctx) -> response``; server-stream: an async
+        generator ``(request, ctx)``; client-stream: ``async (requests, ctx) -> response``;
+        bidi: an async generator ``(requests, ctx)``; ``requests`` is an async iterator."""
+        if method in self._handlers:
+            raise ValueError(f"method {method!r} is already registered")
+        self._handlers[method] = (handler, CallKind(kind))
+
+    def unregister(self, method: str) -> None:
+        self._handlers.pop(method, None)
+
+    def _start_handler(self, conn: Connection, sid: int, method: str, h: dict, size: int) -> None:
+        entry = self._handlers.get(method)
+        if entry is None:
+            conn._send_quiet({"s": sid, "t": ERROR, "x": "UnknownMethod", "msg": f"no handler for {method!r}"})
+            return
+        if self.auth is not None:
+            try:
+                assert conn.remote_id is not None
+                self.auth.check(method, h, conn.remote_id)
+            except Exception as e:
+                conn._send_quiet({"s": sid, "t": ERROR, "x": "Unauthorized", "msg": str(e)})
+                return
+        stream = conn.add_remote_stream(sid, method)
+        if h.get("i"):
+            conn._hold(size)
+            stream.push(h.get("p"), size)
+        if h.get("e"):
+            stream.push_eof()
+        coro = self._serve(entry, conn, stream, h)
+        try:
+            first = coro.send(None)  # run eagerly: most handlers answer without waiting on anything
+        except StopIteration:
+            return
+        task = self.loop.create_task(_resume(coro, first))
+        conn.handlers[sid] = task
+        self._handler_tasks.add(task)
+        timeout = h.get("d")
+        if isinstance(timeout, (int, float)) and timeout > 0:
+            timer = self.loop.call_later(timeout, task.cancel)
+            task.add_done_callback(lambda _: timer.cancel())
+        task.add_done_callback(self._handler_tasks.discard)
+
+    async def _serve(self, entry: tuple[Handler, CallKind], conn: Connection, stream: Stream, h: dict) -> None:
+        fn, kind = entry
+        sid = stream.sid
+        assert conn.remote_id is not None
+        ctx = CallContext(conn.remote_id, stream.method, conn.remote_addr, conn.remote_client_mode, h)
+        try:
+            if kind is CallKind.UNARY or kind is CallKind.SERVER_STREAM:
+                try:
+                    request = await stream.recv()
+                except StopAsyncIteration:
+                    raise ValueError(f"{stream.method} expects a request and got none") from None
+            else:
+                request = stream
+            if kind is CallKind.UNARY or kind is CallKind.CLIENT_STREAM:
+                response = await fn(request, ctx)
+                await conn.send({"s": sid, "t": DATA, "e": 1, "p": response})
+            else:
+                async for item in fn(request, ctx):
+                    await conn.send({"s": sid, "t": DATA, "e": 0, "p": item})
+                await conn.send({"s": sid, "t": END})
+        except asyncio.CancelledError:
+            pass  # the caller cancelled, the deadline passed, or we are shutting down
+        except PeerUnreachable:
+            pass  # nobody left to answer
+        except Exception as e:
+            logger.debug("handler %s failed: %r", stream.method, e, exc_info=True)
+            conn._send_quiet({"s": sid, "t": ERROR, "x": type(e).__name__, "msg": str(e)})
+        finally:
+            conn.handlers.pop(sid, None)
+            stream.release()
+
+    # ---- calling ---------------------------------------------------------------------------
+    def _deadline(self, timeout: float | None) -> float:
+        return self.loop.time() + (self.default_timeout if timeout is None else timeout)
+
+    async def open(self, peer: PeerLike, method: str, timeout: float | None = None) -> Call:
+        """Open a bidirectional call; send with ``send``/``done_writing``, read by iterating."""
+        return await self._open(peer, method, self._deadline(timeout))
+
+    async def _open(self, peer: PeerLike, method: str, deadline: float,
+                    first: Any = _NOTHING, end: bool = False) -> Call:
+        for _ in range(3):
+            conn = self._cached_connection(peer) or await self._connection(peer, deadline)
+            try:
+                stream = conn.new_stream(method)
+            except Retry:
+                continue
+            h: dict[str, Any] = {"s": stream.sid, "t": OPEN, "m": method,
+                                 "d": max(deadline - self.loop.time(), 1e-3)}
+            if first is not _NOTHING:
+                h["i"], h["p"] = 1, first
+            if end:
+                h["e"] = 1
+                stream.sent_end = True
+            if self.auth is not None:
+                h["a"] = self.auth.outgoing(method, h)
+            try:
+                conn.send_nowait(h)
+                if conn.write_paused:
+                    await conn.drain()
+            except BaseException:
+                stream.release()
+                raise
+            return Call(self, stream, deadline)
+        raise PeerUnreachable(f"{peer}: every connection was going away")
+
+    async def call(self, peer: PeerLike, method: str, request: Any = None, timeout: float | None = None) -> Any:
+        """Unary call: one request, one response."""
+        deadline = self._deadline(timeout)
+        for attempt in range(3):
+            call = await self._open(peer, method, deadline, request, end=True)
+            try:
+                return await call.recv()
+            except StopAsyncIteration:
+                raise RemoteError("EmptyResponse", "the handler finished without a response", method) from None
+            except Retry:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def call_stream(self, peer: PeerLike, method: str, request: Any = None,
+                          timeout: float | None = None) -> Call:
+        """Server-streaming call: one request; iterate the returned Call for the responses."""
+        return await self._open(peer, method, self._deadline(timeout), request, end=True)
+
+    async def call_client_stream(self, peer: PeerLike, method: str,
+                                 requests: AsyncIterable[Any] | Iterable[Any], timeout: float | None = None) -> Any:
+        """Client-streaming call: many requests, one response."""
+        call = await self._open(peer, method, self._deadline(timeout))
+        try:
+            if isinstance(requests, AsyncIterable):
+                async for item in requests:
+                    await call.send(item)
+            else:
+                for item in requests:
+                    await call.send(item)
+            await call.done_writing()
+            return await call.recv()
+        except StopAsyncIteration:
+            raise RemoteError("EmptyResponse", "the handler finished without a response", method) from None
+        finally:
+            await call.aclose()
+
+    # ---- connections -----------------------------------------------------------------------
+    def _cached_connection(self, peer: PeerLike) -> Connection | None:
+        """The pooled connection for ``peer`` if there is a usable one (no awaiting: the hot path)."""
+        if isinstance(peer, str):
+            try:
+                peer = PeerAddress.parse(peer)
+            except ValueError:
+                return None  # _connection raises the readable error
+        if isinstance(peer, PeerAddress):
+            if peer.peer_id is None:
+                conn = self._by_addr.get((peer.host, peer.port))
+            else:
+                conn = self._by_peer.get(peer.peer_id)
+        elif isinstance(peer, PeerID):
+            conn = self._by_peer.get(peer)
+        else:
+            return None
+        if conn is None or conn.closed or conn.going_away:
+            return None
+        return conn
+
+    async def _connection(self, peer: PeerLike, deadline: float) -> Connection:
+        if self._closed:
+            raise PeerUnreachable("this peer is shut down")
+        if isinstance(peer, PeerID):
+            conn = self._by_peer.get(peer)
+            if conn is None:
+                raise PeerUnreachable(f"no connection to {peer} and no address to dial")
+            return conn
+        addr = PeerAddress.parse(peer)
+        if addr.peer_id is not None:
+            conn = self._by_peer.get(addr.peer_id)
+            if conn is not None:
+                return conn
+        key = (addr.host, addr.port)
+        conn = self._by_addr.get(key)
+        if conn is not None and not conn.closed and not conn.going_away:
+            if addr.peer_id is None or conn.remote_id == addr.peer_id:
+                return conn
+        pending = self._dialing.get(key)
+        if pending is None:
+            pending = self.loop.create_task(self._dial(addr, deadline))
+            self._dialing[key] = pending
+            pending.add_done_callback(lambda t: self._dial_done(key, t))
+        conn = await asyncio.shield(pending)
+        if addr.peer_id is not None and conn.remote_id != addr.peer_id:
+            raise PeerUnreachable(f"{addr.without_id()} is {conn.remote_id}, expected {addr.peer_id}")
+        return conn
+
+    def _dial_done(self, key: tuple[str, int], task: asyncio.Task) -> None:
+        self._dialing.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: every waiter may have been cancelled meanwhile
+
+    async def _dial(self, addr: PeerAddress, deadline: float) -> Connection:
+        conn = Connection(self, dialer=True, expected_peer=addr.peer_id)
+        remaining = deadline - self.loop.time()
+        if remaining <= 0:
+            raise RPCTimeout(f"deadline passed before connecting to {addr}")
+        try:
+            await asyncio.wait_for(self.loop.create_connection(lambda: conn, addr.host, addr.port), remaining)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise PeerUnreachable(f"cannot connect to {addr}: {e or type(e).__name__}") from None
+        if self._closed:
+            conn.close("shutting down")
+            raise PeerUnreachable("this peer is shut down")
+        self._by_addr[(addr.host, addr.port)] = conn
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.ready), max(deadline - self.loop.time(), 1e-3))
+        except asyncio.TimeoutError:
+            conn.close("handshake timed out")
+            raise PeerUnreachable(f"handshake with {addr} timed out") from None
+        except BaseException:
+            conn.close("handshake failed")
+            raise
+        return conn
+
+    def _track(self, conn: Connection) -> None:
+        self._connections.add(conn)
+
+    def _register(self, conn: Connection) -> None:
+        if conn.remote_id is not None and not conn.going_away and not conn.closed:
+            self._by_peer[conn.remote_id] = conn
+
+    def _unregister(self, conn: Connection) -> None:
+        if conn.remote_id is not None and self._by_peer.get(conn.remote_id) is conn:
+            del self._by_peer[conn.remote_id]
+        for key, c in list(self._by_addr.items()):
+            if c is conn:
+                del self._by_addr[key]
+
+    def _forget(self, conn: Connection) -> None:
+        self._unregister(conn)
+        self._connections.discard(conn)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
+    def connected_peers(self) -> list[PeerID]:
+        return list(self._by_peer)
+
+    async def _sweep_idle(self) -> None:
+        period = max(self.idle_timeout / 4, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            now = self.loop.time()
+            for conn in list(self._connections):
+                if conn.idle and now - conn.last_activity > self.idle_timeout:
+                    conn.goaway()
+
+    # ---- lifetime --------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Close every connection and handler; returns when all sockets are closed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        conns = list(self._connections)
+        for conn in conns:
+            conn.close("peer shut down")
+        tasks = list(self._handler_tasks) + list(self._dialing.values())
+        if self._sweeper is not None:
+            tasks.append(self._sweeper)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(c.closed_future for c in conns))
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def __aenter__(self) -> P2P:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+
+@types.coroutine
+def _resume(coro: Any, first: Any) -> Any:
+    """Continue a coroutine that was started eagerly, inside a Task (what 3.12's eager tasks do)."""
+    pending = first
+    while True:
+        try:
+            value = yield pending
+        except BaseException as exc:
+            try:
+                pending = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                pending = coro.send(value)
+            except StopIteration as stop:
+                return stop.value
+
+
+async def spawn_peers(n: int, host: str = "127.0.0.1", **kwargs: Any) -> list[P2P]:
+    """Start ``n`` listening peers in the running event loop (simulations, tests)."""
+    return list(await asyncio.gather(*(P2P.create(host, 0, **kwargs) for _ in range(n))))
+

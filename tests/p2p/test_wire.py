@@ -1,0 +1,149 @@
+"""The sans-IO codec: round trips, limits checked before allocation, and fuzzing of the decoder."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2p import Limits, ProtocolError
+from p2p.wire import PREFIX, TENSOR_EXT, Decoder, EncodeError, Encoder
+
+LIMITS = Limits(max_header_bytes=4096, max_frame_bytes=1 << 20, max_frames=8, max_message_bytes=2 << 20)
+
+
+def roundtrip(header: dict, limits: Limits = Limits(), chunk: int | None = None) -> list[dict]:
+    data = b"".join(bytes(b) for b in Encoder(limits).encode(header))
+    dec = Decoder(limits)
+    if chunk is None:
+        return [h for h, _ in dec.feed(data)]
+    out = []
+    for i in range(0, len(data), chunk):
+        out.extend(h for h, _ in dec.feed(data[i:i + chunk]))
+    assert dec.idle
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
+                                   torch.uint8, torch.complex64])
+def test_torch_tensors_roundtrip_bit_exact(dtype):
+    t = (torch.randn(3, 5, 7) * 100).to(dtype)
+    (h,) = roundtrip({"p": {"t": t, "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3)}})
+    out = h["p"]["t"]
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out.view(torch.uint8), t.contiguous().view(torch.uint8))
+    assert h["p"]["scalar"].item() == 2.5 and h["p"]["empty"].shape == (0, 3)
+
+
+def test_numpy_and_noncontiguous_and_big_endian_inputs():
+    a = np.arange(24, dtype=np.float64).reshape(4, 6)[:, ::2]
+    b = np.arange(5, dtype=">i4")
+    t = torch.arange(12.0).reshape(3, 4).t()
+    (h,) = roundtrip({"p": [a, b, t]})
+    assert np.array_equal(h["p"][0], a) and h["p"][0].flags.c_contiguous
+    assert np.array_equal(h["p"][1], b) and h["p"][1].dtype == np.dtype("<i4")
+    assert torch.equal(h["p"][2], t)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 70_000])
+def test_any_split_of_the_byte_stream_decodes_the_same(chunk):
+    t = torch.randn(50_000)
+    msgs = roundtrip({"s": 1, "p": [t, "x" * 300]}, chunk=chunk) + roundtrip({"s": 2, "p": None}, chunk=chunk)
+    assert torch.equal(msgs[0]["p"][0], t) and msgs[1]["s"] == 2
+
+
+def test_encoder_refuses_what_it_cannot_send():
+    enc = Encoder(LIMITS)
+    with pytest.raises(EncodeError, match="set"):
+        enc.encode({"p": {1, 2}})
+    with pytest.raises(EncodeError, match="max_frame_bytes"):
+        enc.encode({"p": np.zeros(1 << 20, dtype=np.float32)})
+    with pytest.raises(EncodeError, match="max_frames"):
+        enc.encode({"p": [np.zeros(1)] * 9})
+    with pytest.raises(EncodeError, match="max_header_bytes"):
+        enc.encode({"p": "x" * 5000})
+    with pytest.raises(EncodeError, match="dtype"):
+        enc.encode({"p": np.array([object()])})
+    assert enc.encode({"p": 1})  # the encoder is still usable after errors
+
+
+def _prefix(header_len: int, frames: list[int]) -> bytes:
+    return PREFIX.pack(header_len, len(frames)) + struct.pack(f"<{len(frames)}Q", *frames)
+
+
+@pytest.mark.parametrize("data, reason", [
+    (_prefix(0, []), "header length"),
+    (_prefix(LIMITS.max_header_bytes + 1, []), "header length"),
+    (PREFIX.pack(10, LIMITS.max_frames + 1), "max_frames"),
+    (_prefix(10, [LIMITS.max_frame_bytes + 1]), "max_frame_bytes"),
+    (_prefix(10, [LIMITS.max_frame_bytes] * 3), "max_message_bytes"),
+    (_prefix(3, []) + b"\xc1\xc1\xc1", "undecodable"),
+    (_prefix(3, []) + b"\x92\x01\x02", "must be a map"),
+])
+def test_oversized_or_malformed_input_is_refused_before_allocation(data, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        Decoder(LIMITS).feed(data)
+
+
+def test_tensor_descriptor_must_match_its_frame():
+    def message(desc: list, frames: list[int]) -> bytes:
+        body = msgpack.packb({"p": msgpack.ExtType(TENSOR_EXT, msgpack.packb(desc))})
+        return _prefix(len(body), frames) + body
+
+    with pytest.raises(ProtocolError, match="needs"):
+        Decoder(LIMITS).feed(message([0, 1, "float32", [10]], [8]))
+    with pytest.raises(ProtocolError, match="frame"):
+        Decoder(LIMITS).feed(message([3, 1, "float32", [2]], [8]))
+    with pytest.raises(ProtocolError, match="dtype"):
+        Decoder(LIMITS).feed(message([0, 1, "object", [1]], [8]))
+    with pytest.raises(ProtocolError, match="not referenced"):
+        body = msgpack.packb({"p": 1})
+        Decoder(LIMITS).feed(_prefix(len(body), [4]) + body)
+
+
+def _valid_message() -> bytes:
+    enc = Encoder(LIMITS)
+    return b"".join(bytes(b) for b in enc.encode({"s": 1, "t": 4, "p": [np.arange(10, dtype=np.int32), "hi"]}))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2000))
+def test_fuzz_random_bytes_never_crash_the_decoder(data):
+    dec = Decoder(LIMITS)
+    try:
+        for header, size in dec.feed(data):
+            assert isinstance(header, dict) and size > 0
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=len(_valid_message()) - 1), st.binary(max_size=64))
+def test_fuzz_truncated_and_corrupted_messages(cut, junk):
+    valid = _valid_message()
+    dec = Decoder(LIMITS)
+    assert dec.feed(valid[:cut]) == []  # a truncated message yields nothing yet, and no error
+    try:
+        dec.feed(junk)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32 - 1), st.integers(min_value=0, max_value=2**32 - 1),
+       st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=8))
+def test_fuzz_declared_sizes_are_checked_before_allocation(header_len, n_frames, frames):
+    data = PREFIX.pack(header_len, n_frames) + struct.pack(f"<{len(frames)}Q", *frames)
+    dec = Decoder(LIMITS)
+    try:
+        dec.feed(data)
+    except ProtocolError:
+        return
+    # accepted so far: every declared size is within the limits, so nothing large was allocated
+    assert header_len <= LIMITS.max_header_bytes and n_frames <= LIMITS.max_frames
+    assert all(f <= LIMITS.max_frame_bytes for f in frames[:n_frames])
