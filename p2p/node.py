@@ -251,8 +251,9 @@ class P2P:
                 await conn.send({"s": sid, "t": END})
         except asyncio.CancelledError:
             pass  # the caller cancelled, the deadline passed, or we are shutting down
-        except PeerUnreachable:
-            pass  # nobody left to answer
+        except PeerUnreachable as e:
+            if not conn.closed:  # the handler's own call to a third peer failed: tell our caller
+                conn._send_quiet({"s": sid, "t": ERROR, "x": type(e).__name__, "msg": str(e)})
         except Exception as e:
             logger.debug("handler %s failed: %r", stream.method, e, exc_info=True)
             conn._send_quiet({"s": sid, "t": ERROR, "x": type(e).__name__, "msg": str(e)})

@@ -133,6 +133,21 @@ async def test_remote_exception_type_and_message_reach_the_caller(pair):
     assert a.num_connections == 1
 
 
+async def test_a_handler_whose_own_call_fails_reports_it_instead_of_going_silent(pair):
+    a, b = pair
+
+    async def relay(address, ctx):
+        return await b.call(address, "anything", timeout=5)
+
+    b.register("relay", relay)
+    probe = await P2P.create()
+    dead = str(probe.address)
+    await probe.shutdown()
+    with pytest.raises(RemoteError) as info:
+        await a.call(b.address, "relay", dead, timeout=10)
+    assert info.value.type_name == "PeerUnreachable" and "cannot connect" in info.value.message
+
+
 async def test_deadline_expiry_cancels_the_remote_handler(pair):
     a, b = pair
     cancelled = asyncio.get_running_loop().create_future()
