@@ -141,6 +141,7 @@ class P2P:
         idle_timeout: float = 120.0,
         default_timeout: float = 30.0,
         auth: AuthHook | None = None,
+        max_connections: int = 1024,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.identity = identity or Identity()
@@ -150,6 +151,7 @@ class P2P:
         self.idle_timeout = idle_timeout
         self.default_timeout = default_timeout
         self.auth = auth
+        self.max_connections = max_connections
         self.address: PeerAddress | None = None
         self._server: asyncio.Server | None = None
         self._handlers: dict[str, tuple[Handler, CallKind]] = {}
@@ -412,6 +414,15 @@ class P2P:
 
     def _track(self, conn: Connection) -> None:
         self._connections.add(conn)
+        if len(self._connections) > self.max_connections:
+            self._evict_idle(exclude=conn)
+
+    def _evict_idle(self, exclude: Connection) -> None:
+        """Over max_connections: close the least recently active idle connections (never busy ones)."""
+        idle = sorted((c for c in self._connections if c.idle and c is not exclude and not c.closed),
+                      key=lambda c: c.last_activity)
+        for conn in idle[: len(self._connections) - self.max_connections]:
+            conn.goaway()
 
     def _register(self, conn: Connection) -> None:
         if conn.remote_id is not None and not conn.going_away and not conn.closed:

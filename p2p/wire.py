@@ -37,7 +37,7 @@ _NUMPY_DTYPES = {
     )
 }
 _TORCH_ONLY = {"bfloat16": 2}
-_SCRATCH = 256 * 1024
+_SCRATCH = 16 * 1024  # grows on demand; small so thousands of idle connections stay cheap
 # A frame remainder at least this big is read straight into its destination, not via scratch.
 _DIRECT_READ = 64 * 1024
 

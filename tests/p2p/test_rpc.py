@@ -342,3 +342,18 @@ async def test_clean_shutdown_leaves_no_tasks_or_sockets():
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == before_tasks
     assert open_fds() == before_fds
+
+
+async def test_connection_cap_closes_least_recently_used_idle_connections():
+    a = await P2P.create(max_connections=2)
+    others = await spawn_peers(4)
+    try:
+        for p in others:
+            p.register("echo", echo)
+        for i, p in enumerate(others):
+            assert await a.call(p.address, "echo", i) == i
+            assert sum(not c.closed for c in a._connections) <= 2
+        # the evicted peers are still reachable: a fresh connection is opened on demand
+        assert await a.call(others[0].address, "echo", "again") == "again"
+    finally:
+        await asyncio.gather(a.shutdown(), *(p.shutdown() for p in others))
