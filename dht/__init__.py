@@ -4,3 +4,20 @@ Peers find each other here with no central server: expert servers declare their 
 groups meet, training progress is tracked and state donors are found. Records expire, may hold
 subkeys merged across writers, and may be signed by their owner.
 """
+
+from .dht import DHT
+from .node import DHTNode, RecordTooLarge, ValueWithExpiration
+from .routing import Contact, RoutingTable
+from .validation import (
+    CompositeValidator,
+    DHTRecord,
+    RecordValidator,
+    SchemaValidator,
+    SignatureValidator,
+    ValidationError,
+)
+
+__all__ = [
+    "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "RecordTooLarge", "RecordValidator",
+    "RoutingTable", "SchemaValidator", "SignatureValidator", "ValidationError", "ValueWithExpiration",
+]

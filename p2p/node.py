@@ -336,6 +336,12 @@ class P2P:
             await call.aclose()
 
     # ---- connections -----------------------------------------------------------------------
+    async def connect(self, peer: PeerLike, timeout: float | None = None) -> PeerID:
+        """Make sure a connection to ``peer`` exists; returns the PeerID its handshake proved."""
+        conn = self._cached_connection(peer) or await self._connection(peer, self._deadline(timeout))
+        assert conn.remote_id is not None
+        return conn.remote_id
+
     def _cached_connection(self, peer: PeerLike) -> Connection | None:
         """The pooled connection for ``peer`` if there is a usable one (no awaiting: the hot path)."""
         if isinstance(peer, str):

@@ -1,0 +1,95 @@
+"""DHT: the synchronous face of a DHTNode, for training loops and scripts.
+
+Threading model: the node lives on its own event loop in a background thread (``LoopThread``).
+Each blocking method submits a coroutine to that loop and waits for it; with
+``return_future=True`` it returns a ``concurrent.futures.Future`` instead.  Upper layers that are
+async themselves run code on the node's loop with ``run_coroutine``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from p2p import PeerAddress
+from p2p.loop_thread import LoopThread
+
+from .node import DHTNode, ValueWithExpiration
+
+T = TypeVar("T")
+
+
+class DHT:
+    """A DHT peer usable from ordinary (non-async) code.
+
+    ``DHT(initial_peers=["host:port"], client_mode=False, validators=[...])``; keyword options are
+    those of :meth:`DHTNode.create` (host, port, identity, num_replicas, rpc_timeout, ...).
+    """
+
+    def __init__(self, initial_peers: Sequence[str | PeerAddress] = (), *, client_mode: bool = False,
+                 validators: Sequence[Any] = (), startup_timeout: float = 60.0, **options: Any) -> None:
+        self._thread = LoopThread(name="spotswarm-dht")
+        try:
+            self.node: DHTNode = self._thread.run(
+                DHTNode.create(initial_peers, client_mode=client_mode, validators=validators, **options),
+                timeout=startup_timeout)
+        except BaseException:
+            self._thread.stop()
+            raise
+        self._closed = False
+
+    # ---- identity ------------------------------------------------------------------------------
+    @property
+    def peer_id(self):
+        return self.node.peer_id
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where others can reach this peer (``peerid@host:port``); empty in client mode."""
+        return [str(self.node.address)] if self.node.address else []
+
+    # ---- records -------------------------------------------------------------------------------
+    def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None,
+              return_future: bool = False) -> bool | concurrent.futures.Future[bool]:
+        return self._call(self.node.store(key, value, expiration_time, subkey), return_future)
+
+    def store_many(self, keys: Sequence[Any], values: Sequence[Any], expiration_time: float | Sequence[float],
+                   subkeys: Sequence[Any] | None = None, return_future: bool = False) -> Any:
+        return self._call(self.node.store_many(keys, values, expiration_time, subkeys), return_future)
+
+    def get(self, key: Any, latest: bool = False,
+            return_future: bool = False) -> ValueWithExpiration | None | concurrent.futures.Future:
+        return self._call(self.node.get(key, latest), return_future)
+
+    def get_many(self, keys: Sequence[Any], latest: bool = False, return_future: bool = False) -> Any:
+        return self._call(self.node.get_many(keys, latest), return_future)
+
+    def run_coroutine(self, fn: Callable[[DHTNode], Awaitable[T]], return_future: bool = False) -> Any:
+        """Run ``fn(node)`` on the DHT's event loop (for layers built on top of the node)."""
+        async def runner() -> T:
+            return await fn(self.node)
+        return self._call(runner(), return_future)
+
+    def _call(self, coro: Any, return_future: bool) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this DHT is shut down")
+        future = self._thread.submit(coro)
+        return future if return_future else future.result()
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._thread.run(self.node.shutdown(), timeout=30)
+        finally:
+            self._thread.stop()
+
+    def __enter__(self) -> DHT:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

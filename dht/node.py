@@ -1,0 +1,549 @@
+"""DHTNode: the async Kademlia node — RPC handlers, batched iterative lookups, store and get.
+
+One lookup serves many keys at once: every round, each unfinished key picks up to ``alpha`` of its
+closest not-yet-asked contacts, and a contact picked by several keys gets one request for all of
+them.  Responses are processed as they arrive, so one slow peer delays only its own keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from p2p import P2P, Identity, P2PError, PeerAddress, PeerUnreachable
+from p2p.node import CallContext
+
+from .routing import Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
+from .storage import Entry, Storage, merge_entries
+from .validation import CompositeValidator, DHTRecord, RecordValidator, ValidationError
+
+logger = logging.getLogger(__name__)
+
+PING, STORE, FIND = "dht.ping", "dht.store", "dht.find"
+_MAX_KEYS_PER_REQUEST = 256
+_RESPONSE_VALUE_BUDGET = 4 << 20  # bytes of values in one find response; the rest answer "not here"
+
+
+class RecordTooLarge(ValueError):
+    """A key, subkey or value is over the node's size limits."""
+
+
+@dataclass(frozen=True)
+class ValueWithExpiration:
+    """A value read from the DHT.  For a dictionary key, ``value`` maps each subkey to one of these."""
+
+    value: Any
+    expiration_time: float
+
+
+@dataclass
+class _Search:
+    """The state of one key's lookup within a batched traversal."""
+
+    target: int
+    key: bytes | None  # set when looking for values: needed to validate what peers return
+    want: int
+    stop_on_value: bool
+    candidates: dict[int, Contact] = field(default_factory=dict)
+    queried: set[int] = field(default_factory=set)
+    responded: list[tuple[int, Contact]] = field(default_factory=list)
+    found: list[tuple[Contact, Entry]] = field(default_factory=list)
+    in_flight: int = 0
+    finished: bool = False
+
+    def next_to_query(self, n: int) -> list[Contact]:
+        """Closest unasked candidates that could still improve the ``want`` nearest responders."""
+        if n <= 0:
+            return []
+        bound = self.responded[self.want - 1][0] if len(self.responded) >= self.want else None
+        pool = sorted((c.node_id ^ self.target, i, c) for i, c in self.candidates.items() if i not in self.queried)
+        return [c for d, _, c in pool[:n] if bound is None or d < bound]
+
+    def add_responder(self, contact: Contact) -> None:
+        self.responded.append((contact.node_id ^ self.target, contact))
+        self.responded.sort(key=lambda dc: dc[0])
+
+    def nearest(self, n: int) -> list[Contact]:
+        return [c for _, c in self.responded[:n]]
+
+    def update_finished(self) -> None:
+        if self.stop_on_value and self.found:
+            self.finished = True
+        elif self.in_flight == 0 and not self.next_to_query(1):
+            self.finished = True
+
+
+class DHTNode:
+    """A DHT peer on an event loop.  Create with ``await DHTNode.create(...)``.
+
+    Values are any msgpack-serializable Python data (None, bool, int, float, str, bytes, lists,
+    dicts; tuples come back as lists). Keys and subkeys are msgpack-serializable too.  Expiration
+    times are absolute wall-clock seconds (``time.time()``).
+    """
+
+    def __init__(self, p2p: P2P, *, owns_p2p: bool, validators: Iterable[RecordValidator] = (),
+                 bucket_size: int = 20, depth_modulo: int = 5, num_replicas: int = 5, alpha: int = 3,
+                 rpc_timeout: float = 3.0, max_key_bytes: int = 1024, max_value_bytes: int = 1 << 20,
+                 max_records: int = 100_000, clock_drift: float = 1.0, refresh_period: float = 600.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.p2p = p2p
+        self._owns_p2p = owns_p2p
+        self.node_id = node_id_of(p2p.peer_id)
+        self.client_mode = p2p.client_mode
+        self.routing = RoutingTable(self.node_id, bucket_size, depth_modulo)
+        self.storage = Storage(max_records=max_records, clock=clock, clock_drift=clock_drift)
+        self.validator = CompositeValidator(validators)
+        self.bucket_size = bucket_size
+        self.num_replicas = num_replicas
+        self.alpha = alpha
+        self.rpc_timeout = rpc_timeout
+        self.max_key_bytes = max_key_bytes
+        self.max_value_bytes = max_value_bytes
+        self.refresh_period = refresh_period
+        self._background: set[asyncio.Task] = set()
+        self._pinging: set[int] = set()
+        self._closed = False
+        if not self.client_mode:
+            p2p.register(PING, self._rpc_ping)
+            p2p.register(STORE, self._rpc_store)
+            p2p.register(FIND, self._rpc_find)
+
+    @classmethod
+    async def create(cls, initial_peers: Sequence[str | PeerAddress] = (), *, host: str = "127.0.0.1",
+                     port: int = 0, client_mode: bool = False, identity: Identity | None = None,
+                     p2p: P2P | None = None, p2p_options: dict | None = None, **options: Any) -> DHTNode:
+        """Start a node (on its own P2P unless ``p2p`` is given) and join via ``initial_peers``."""
+        owns = p2p is None
+        if p2p is None:
+            p2p = await P2P.create(host, port, client_mode=client_mode, identity=identity, **(p2p_options or {}))
+        node = cls(p2p, owns_p2p=owns, **options)
+        try:
+            if initial_peers:
+                await node.bootstrap(initial_peers)
+        except BaseException:
+            await node.shutdown()
+            raise
+        if node.refresh_period > 0:
+            node._spawn(node._refresh_loop())
+        return node
+
+    # ---- identity ------------------------------------------------------------------------------
+    @property
+    def peer_id(self):
+        return self.p2p.peer_id
+
+    @property
+    def address(self) -> PeerAddress | None:
+        return self.p2p.address
+
+    @property
+    def _announce(self) -> str | None:
+        return self.p2p.listen_address_str
+
+    # ---- joining -------------------------------------------------------------------------------
+    async def bootstrap(self, initial_peers: Sequence[str | PeerAddress]) -> None:
+        """Learn the initial peers' identities, then look ourselves up to fill the routing table."""
+        addresses = [PeerAddress.parse(p) for p in initial_peers]
+
+        async def meet(addr: PeerAddress) -> Contact | None:
+            try:
+                peer_id = await self.p2p.connect(addr, timeout=self.rpc_timeout)
+            except P2PError as e:
+                logger.warning("initial peer %s is unreachable: %s", addr, e)
+                return None
+            return Contact.make(peer_id, addr.host, addr.port)
+
+        contacts = [c for c in await asyncio.gather(*(meet(a) for a in addresses)) if c is not None]
+        contacts = [c for c in contacts if c.node_id != self.node_id]
+        if addresses and not contacts and not any(a.peer_id == self.peer_id for a in addresses):
+            raise PeerUnreachable(f"none of the {len(addresses)} initial peers could be reached")
+        search = _Search(self.node_id, None, self.bucket_size, stop_on_value=False)
+        for c in contacts:
+            search.candidates[c.node_id] = c
+        await self._traverse([search], want_values=False)
+
+    # ---- public API ----------------------------------------------------------------------------
+    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        """Store on the nearest peers; True if at least one replica took it (it was the newest)."""
+        return (await self.store_many([key], [value], expiration_time, [subkey]))[0]
+
+    async def store_many(self, keys: Sequence[Any], values: Sequence[Any],
+                         expiration_time: float | Sequence[float], subkeys: Sequence[Any] | None = None) -> list[bool]:
+        """Store many records with one traversal; returns per record whether a replica accepted it."""
+        if len(keys) != len(values):
+            raise ValueError(f"store_many got {len(keys)} keys but {len(values)} values")
+        exps = [expiration_time] * len(keys) if isinstance(expiration_time, (int, float)) else list(expiration_time)
+        subs = list(subkeys) if subkeys is not None else [None] * len(keys)
+        if len(exps) != len(keys) or len(subs) != len(keys):
+            raise ValueError("store_many: keys, values, expiration times and subkeys must have equal lengths")
+        records = [self._make_record(k, v, float(e), s) for k, v, e, s in zip(keys, values, exps, subs, strict=True)]
+        by_key: dict[int, list[int]] = {}
+        for i, rec in enumerate(records):
+            by_key.setdefault(key_id(rec.key), []).append(i)
+        searches = {kid: self._new_search(kid, None, self.num_replicas, stop_on_value=False) for kid in by_key}
+        await self._traverse(list(searches.values()), want_values=False)
+
+        accepted = [False] * len(records)
+        outgoing: dict[int, tuple[Contact, list[int]]] = {}
+        for kid, idxs in by_key.items():
+            for target in self._replica_set(searches[kid]):
+                if target is None:
+                    for i in idxs:
+                        rec = records[i]
+                        accepted[i] |= self.storage.store(kid, rec.key, rec.subkey, rec.value, rec.expiration_time)
+                else:
+                    outgoing.setdefault(target.node_id, (target, []))[1].extend(idxs)
+
+        async def send(contact: Contact, idxs: list[int]) -> None:
+            results = await self._call_store(contact, [records[i] for i in idxs])
+            for i, ok in zip(idxs, results, strict=True):
+                if ok is True:
+                    accepted[i] = True
+                elif isinstance(ok, str):
+                    logger.debug("%s refused a record: %s", contact.peer_id, ok)
+
+        await asyncio.gather(*(send(c, idxs) for c, idxs in outgoing.values()))
+        return accepted
+
+    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration | None:
+        """The value under ``key``, or None.  ``latest`` asks every nearest replica, not the first."""
+        return (await self.get_many([key], latest))[key]
+
+    async def get_many(self, keys: Sequence[Any], latest: bool = False) -> dict[Any, ValueWithExpiration | None]:
+        serialized = {k: serialize_key(k) for k in keys}
+        for raw in serialized.values():
+            self._check_size("key", raw, self.max_key_bytes)
+        local: dict[int, Entry | None] = {}
+        searches: dict[int, _Search] = {}
+        for raw in serialized.values():
+            kid = key_id(raw)
+            local[kid] = None if self.client_mode else self.storage.get(kid)
+            if local[kid] is None or latest:
+                searches[kid] = self._new_search(kid, raw, self.num_replicas, stop_on_value=not latest)
+        if searches:
+            await self._traverse(list(searches.values()), want_values=True)
+        out: dict[Any, ValueWithExpiration | None] = {}
+        for k, raw in serialized.items():
+            kid = key_id(raw)
+            search = searches.get(kid)
+            found = search.found if search else []
+            best = local[kid]
+            for _, entry in found:
+                best = merge_entries(best, entry)
+            if best is not None and search is not None:
+                self._refresh_stale(kid, best, search, local[kid], include_empty=latest)
+            out[k] = self._decode(best)
+        return out
+
+    async def shutdown(self) -> None:
+        """Stop background work and (if this node owns it) the P2P endpoint."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._owns_p2p:
+            await self.p2p.shutdown()
+        else:
+            for method in (PING, STORE, FIND):
+                self.p2p.unregister(method)
+
+    # ---- records -------------------------------------------------------------------------------
+    def _check_size(self, what: str, raw: bytes, limit: int) -> None:
+        if len(raw) > limit:
+            raise RecordTooLarge(f"{what} of {len(raw)} bytes exceeds the limit of {limit} bytes")
+
+    def _make_record(self, key: Any, value: Any, expiration_time: float, subkey: Any) -> DHTRecord:
+        key_raw = serialize_key(key)
+        self._check_size("key", key_raw, self.max_key_bytes)
+        sub_raw = None if subkey is None else serialize_key(subkey)
+        if sub_raw is not None:
+            self._check_size("subkey", sub_raw, self.max_key_bytes)
+        try:
+            value_raw = msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"DHT values must be msgpack-serializable: {e}") from None
+        self._check_size("value", value_raw, self.max_value_bytes)
+        record = self.validator.sign(DHTRecord(key_raw, sub_raw, value_raw, expiration_time))
+        self._check_size("signed value", record.value, self.max_value_bytes + 1024)
+        self.validator.check(record)  # the writer gets the reason a replica would refuse with
+        return record
+
+    def _validated(self, key: bytes, entry: Entry) -> Entry | None:
+        """``entry`` without the records that fail validation (a lying peer cannot forge them)."""
+        good: Entry | None = None
+        for subkey, value, exp in entry.records():
+            try:
+                self.validator.check(DHTRecord(key, subkey, value, exp))
+            except ValidationError as e:
+                logger.debug("dropping an invalid record for %r: %s", key, e)
+                continue
+            good = merge_entries(good, Entry(key, value, exp) if subkey is None else
+                                 Entry(key, subkeys={subkey: (value, exp)}))
+        return good
+
+    def _decode(self, entry: Entry | None) -> ValueWithExpiration | None:
+        if entry is None:
+            return None
+        alive = entry.alive(self.storage.now())
+        if alive is None:
+            return None
+
+        def user_value(subkey: bytes | None, value: bytes, exp: float) -> Any:
+            plain = self.validator.check(DHTRecord(alive.key, subkey, value, exp)).value
+            return msgpack.unpackb(plain, raw=False, strict_map_key=False)
+
+        if alive.subkeys is None:
+            assert alive.value is not None
+            return ValueWithExpiration(user_value(None, alive.value, alive.expiration_time), alive.expiration_time)
+        items = {msgpack.unpackb(sk, raw=False, strict_map_key=False): ValueWithExpiration(user_value(sk, v, e), e)
+                 for sk, (v, e) in alive.subkeys.items()}
+        return ValueWithExpiration(items, alive.latest_expiration)
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def _new_search(self, target: int, key: bytes | None, want: int, stop_on_value: bool) -> _Search:
+        search = _Search(target, key, want, stop_on_value)
+        for c in self.routing.nearest(target, self.bucket_size):
+            search.candidates[c.node_id] = c
+        return search
+
+    def _replica_set(self, search: _Search) -> list[Contact | None]:
+        """The ``num_replicas`` nearest peers to a key, ``None`` standing for this node itself."""
+        ranked: list[tuple[int, Contact | None]] = list(search.responded[: self.num_replicas])
+        if not self.client_mode:
+            ranked.append((self.node_id ^ search.target, None))
+            ranked.sort(key=lambda dc: dc[0])
+        return [c for _, c in ranked[: self.num_replicas]]
+
+    async def _traverse(self, searches: list[_Search], want_values: bool) -> None:
+        tasks: dict[asyncio.Task, tuple[Contact, list[_Search]]] = {}
+        try:
+            while True:
+                batch: dict[int, tuple[Contact, list[_Search]]] = {}
+                for s in searches:
+                    if s.finished:
+                        continue
+                    for c in s.next_to_query(self.alpha - s.in_flight):
+                        s.queried.add(c.node_id)
+                        s.in_flight += 1
+                        batch.setdefault(c.node_id, (c, []))[1].append(s)
+                for contact, group in batch.values():
+                    for start in range(0, len(group), _MAX_KEYS_PER_REQUEST):
+                        part = group[start:start + _MAX_KEYS_PER_REQUEST]
+                        task = asyncio.ensure_future(self._call_find(contact, [s.target for s in part], want_values))
+                        tasks[task] = (contact, part)
+                for s in searches:
+                    if not s.finished:
+                        s.update_finished()
+                if not tasks or all(s.finished for s in searches):
+                    return
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    contact, group = tasks.pop(task)
+                    answers = task.result()
+                    if answers is None:  # dead or lying: no other key in this traversal asks it again
+                        for s in searches:
+                            s.queried.add(contact.node_id)
+                    for i, s in enumerate(group):
+                        s.in_flight -= 1
+                        if answers is not None:
+                            self._absorb(s, contact, *answers[i])
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _absorb(self, search: _Search, contact: Contact, entry: Entry | None, contacts: list[Contact]) -> None:
+        search.add_responder(contact)
+        if entry is not None and search.key is not None:
+            entry = self._validated(search.key, entry)
+            if entry is not None:
+                search.found.append((contact, entry))
+        for c in contacts:
+            if c.node_id != self.node_id and c.node_id not in search.candidates:
+                search.candidates[c.node_id] = c
+
+    def _refresh_stale(self, kid: int, best: Entry, search: _Search, local: Entry | None,
+                       include_empty: bool) -> None:
+        """Give the newest version to nearest replicas that answered with an older one (or, after a
+        ``latest`` search that asked them all, with none)."""
+        had = {c.node_id: e for c, e in search.found}
+        for target in self._replica_set(search):
+            seen = local if target is None else had.get(target.node_id)
+            if seen is None and not include_empty:
+                continue
+            if seen is not None and merge_entries(seen, best) == seen:
+                continue  # already up to date
+            records = [DHTRecord(best.key, sk, v, exp) for sk, v, exp in best.records()]
+            if target is None:
+                for r in records:
+                    self.storage.store(kid, r.key, r.subkey, r.value, r.expiration_time)
+            else:
+                self._spawn(self._call_store(target, records))
+
+    # ---- outgoing RPCs -------------------------------------------------------------------------
+    async def _call_find(self, contact: Contact, targets: list[int],
+                         want_values: bool) -> list[tuple[Entry | None, list[Contact]]] | None:
+        """Ask ``contact`` about ``targets``; None (and the contact forgotten) if it fails or lies."""
+        request = {"a": self._announce, "k": [id_to_bytes(t) for t in targets], "v": want_values}
+        try:
+            response = await self.p2p.call(contact.address, FIND, request, timeout=self.rpc_timeout)
+            if not isinstance(response, list) or len(response) != len(targets):
+                raise ValueError("find answer has the wrong length")
+            answers = []
+            for item in response:
+                if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
+                    raise ValueError("find answer item must be [entry, contacts]")
+                entry = None if item[0] is None else Entry.from_wire(b"", item[0])
+                answers.append((entry, [Contact.from_wire(c) for c in item[1][: self.bucket_size]]))
+        except (P2PError, ValueError, TypeError) as e:
+            self._forget(contact, e)
+            return None
+        self._seen(contact)
+        return answers
+
+    async def _call_store(self, contact: Contact, records: list[DHTRecord]) -> list[bool | str]:
+        results: list[bool | str] = []
+        for chunk in _chunks(records, _RESPONSE_VALUE_BUDGET):
+            request = {"a": self._announce, "r": [[r.key, r.subkey, r.value, r.expiration_time] for r in chunk]}
+            try:
+                response = await self.p2p.call(contact.address, STORE, request, timeout=self.rpc_timeout)
+                if not isinstance(response, list) or len(response) != len(chunk):
+                    raise ValueError("store answer has the wrong length")
+            except (P2PError, ValueError, TypeError) as e:
+                self._forget(contact, e)
+                return results + [False] * (len(records) - len(results))
+            results.extend(r if isinstance(r, (bool, str)) else False for r in response)
+        self._seen(contact)
+        return results
+
+    async def _ping(self, contact: Contact) -> bool:
+        try:
+            await self.p2p.call(contact.address, PING, {"a": self._announce}, timeout=self.rpc_timeout)
+        except P2PError as e:
+            self._forget(contact, e)
+            return False
+        self._seen(contact)
+        return True
+
+    # ---- routing table upkeep ------------------------------------------------------------------
+    def _seen(self, contact: Contact) -> None:
+        stale = self.routing.add_or_update(contact)
+        if stale is not None and stale.node_id not in self._pinging and not self._closed:
+            self._pinging.add(stale.node_id)
+            self._spawn(self._check_stale(stale, contact))
+
+    async def _check_stale(self, stale: Contact, newcomer: Contact) -> None:
+        """Kademlia's rule: keep a full bucket's oldest contact if it still answers, else admit the newcomer."""
+        try:
+            if await self._ping(stale):
+                return
+            self.routing.add_or_update(newcomer)
+        finally:
+            self._pinging.discard(stale.node_id)
+
+    def _forget(self, contact: Contact, reason: Exception) -> None:
+        logger.debug("dropping contact %s: %s", contact.peer_id, reason)
+        self.routing.remove(contact.node_id)
+
+    def _learn_sender(self, ctx: CallContext, announced: object) -> None:
+        if ctx.remote_client_mode or not isinstance(announced, str):
+            return
+        try:
+            addr = PeerAddress.parse(announced)
+        except ValueError:
+            return
+        host = addr.host
+        if host in ("0.0.0.0", "::") and isinstance(ctx.remote_address, tuple):
+            host = ctx.remote_address[0]
+        self._seen(Contact.make(ctx.peer_id, host, addr.port))
+
+    async def _refresh_loop(self) -> None:
+        """Look up a random id in every bucket nobody touched for a refresh period."""
+        while True:
+            await asyncio.sleep(self.refresh_period)
+            for bucket in self.routing.stale_buckets(self.refresh_period):
+                target = random.randrange(bucket.lower, bucket.upper)
+                await self._traverse([self._new_search(target, None, self.bucket_size, False)], want_values=False)
+
+    def _spawn(self, coro: Any) -> None:
+        if self._closed:
+            coro.close()
+            return
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- RPC handlers --------------------------------------------------------------------------
+    async def _rpc_ping(self, request: Any, ctx: CallContext) -> dict:
+        if isinstance(request, dict):
+            self._learn_sender(ctx, request.get("a"))
+        return {"a": self._announce, "t": time.time()}
+
+    async def _rpc_find(self, request: Any, ctx: CallContext) -> list:
+        if not isinstance(request, dict) or not isinstance(request.get("k"), list):
+            raise ValueError("find request must be {'k': [ids...], 'v': bool}")
+        ids = request["k"]
+        if len(ids) > _MAX_KEYS_PER_REQUEST:
+            raise ValueError(f"find request for {len(ids)} keys exceeds {_MAX_KEYS_PER_REQUEST}")
+        targets = [id_from_bytes(raw) for raw in ids]
+        self._learn_sender(ctx, request.get("a"))
+        requester = node_id_of(ctx.peer_id)
+        budget = _RESPONSE_VALUE_BUDGET
+        out = []
+        for target in targets:
+            entry = self.storage.get(target) if request.get("v") else None
+            wire = None
+            if entry is not None:
+                size = sum(len(v) for _, v, _ in entry.records())
+                if size <= budget:
+                    budget -= size
+                    wire = entry.to_wire()
+            contacts = [c.to_wire() for c in self.routing.nearest(target, self.bucket_size, exclude=requester)]
+            out.append([wire, contacts])
+        return out
+
+    async def _rpc_store(self, request: Any, ctx: CallContext) -> list:
+        if not isinstance(request, dict) or not isinstance(request.get("r"), list):
+            raise ValueError("store request must be {'r': [[key, subkey, value, expiration]...]}")
+        self._learn_sender(ctx, request.get("a"))
+        return [self._store_one(item) for item in request["r"]]
+
+    def _store_one(self, item: object) -> bool | str:
+        if not isinstance(item, list) or len(item) != 4:
+            return "record must be [key, subkey, value, expiration]"
+        key, subkey, value, exp = item
+        if not isinstance(key, bytes) or not (subkey is None or isinstance(subkey, bytes)) \
+                or not isinstance(value, bytes) or not isinstance(exp, (int, float)):
+            return "record fields must be bytes, bytes|None, bytes, number"
+        if len(key) > self.max_key_bytes or (subkey is not None and len(subkey) > self.max_key_bytes):
+            return f"key or subkey over {self.max_key_bytes} bytes"
+        if len(value) > self.max_value_bytes + 1024:
+            return f"value over {self.max_value_bytes} bytes"
+        record = DHTRecord(key, subkey, value, float(exp))
+        try:
+            self.validator.check(record)
+        except ValidationError as e:
+            return str(e)
+        return self.storage.store(key_id(key), key, subkey, value, float(exp))
+
+
+def _chunks(records: list[DHTRecord], budget: int) -> list[list[DHTRecord]]:
+    chunks: list[list[DHTRecord]] = [[]]
+    size = 0
+    for r in records:
+        if chunks[-1] and (size + len(r.value) > budget or len(chunks[-1]) >= _MAX_KEYS_PER_REQUEST):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(r)
+        size += len(r.value)
+    return chunks

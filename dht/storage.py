@@ -1,0 +1,175 @@
+"""Records kept by one node: values with expiration times, or dictionaries of expiring subkeys.
+
+The merge rule is the whole consistency model: the later expiration wins (ties go to the larger
+serialized value, so every replica picks the same winner whatever order stores arrive in), and
+dictionaries merge subkey by subkey.  Expired records vanish.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _newer(value_a: bytes, exp_a: float, value_b: bytes, exp_b: float) -> bool:
+    """True if (value_a, exp_a) beats (value_b, exp_b)."""
+    return exp_a > exp_b or (exp_a == exp_b and value_a > value_b)
+
+
+@dataclass
+class Entry:
+    """What a node holds under one key: a single value, or subkeys each with their own expiration."""
+
+    key: bytes
+    value: bytes | None = None
+    expiration_time: float = float("-inf")
+    subkeys: dict[bytes, tuple[bytes, float]] | None = None
+
+    @property
+    def is_dict(self) -> bool:
+        return self.subkeys is not None
+
+    @property
+    def latest_expiration(self) -> float:
+        if self.subkeys is not None:
+            return max((exp for _, exp in self.subkeys.values()), default=float("-inf"))
+        return self.expiration_time
+
+    def alive(self, now: float) -> Entry | None:
+        """This entry without what expired by ``now``; None if nothing is left."""
+        if self.subkeys is None:
+            return self if self.expiration_time > now else None
+        live = {k: v for k, v in self.subkeys.items() if v[1] > now}
+        if not live:
+            return None
+        return self if len(live) == len(self.subkeys) else Entry(self.key, subkeys=live)
+
+    def to_wire(self) -> list:
+        if self.subkeys is None:
+            return [0, self.value, self.expiration_time]
+        return [1, [[sk, v, exp] for sk, (v, exp) in self.subkeys.items()]]
+
+    @classmethod
+    def from_wire(cls, key: bytes, raw: object) -> Entry:
+        """Parse a peer's answer; raises ValueError on anything malformed."""
+        if not isinstance(raw, list) or len(raw) < 2 or raw[0] not in (0, 1):
+            raise ValueError("entry must be [0, value, expiration] or [1, [[subkey, value, expiration]...]]")
+        if raw[0] == 0:
+            if len(raw) != 3 or not isinstance(raw[1], bytes) or not isinstance(raw[2], (int, float)):
+                raise ValueError("bad single-value entry")
+            return cls(key, raw[1], float(raw[2]))
+        if not isinstance(raw[1], list):
+            raise ValueError("bad dictionary entry")
+        subkeys: dict[bytes, tuple[bytes, float]] = {}
+        for item in raw[1]:
+            if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], bytes)
+                    or not isinstance(item[1], bytes) or not isinstance(item[2], (int, float))):
+                raise ValueError("bad subkey item")
+            subkeys[item[0]] = (item[1], float(item[2]))
+        return cls(key, subkeys=subkeys)
+
+    def records(self) -> list[tuple[bytes | None, bytes, float]]:
+        """(subkey, value, expiration) triples, for storing this entry elsewhere."""
+        if self.subkeys is None:
+            assert self.value is not None
+            return [(None, self.value, self.expiration_time)]
+        return [(sk, v, exp) for sk, (v, exp) in self.subkeys.items()]
+
+
+def merge(old: Entry | None, key: bytes, subkey: bytes | None, value: bytes,
+          expiration_time: float) -> Entry | None:
+    """``old`` with one record applied, or None if the record loses to what is there."""
+    if old is None:
+        if subkey is None:
+            return Entry(key, value, expiration_time)
+        return Entry(key, subkeys={subkey: (value, expiration_time)})
+    if subkey is None:
+        if old.subkeys is None:
+            assert old.value is not None
+            wins = _newer(value, expiration_time, old.value, old.expiration_time)
+        else:
+            wins = expiration_time > old.latest_expiration
+        return Entry(key, value, expiration_time) if wins else None
+    if old.subkeys is None:
+        return Entry(key, subkeys={subkey: (value, expiration_time)}) if expiration_time > old.expiration_time else None
+    current = old.subkeys.get(subkey)
+    if current is not None and not _newer(value, expiration_time, *current):
+        return None
+    return Entry(key, subkeys={**old.subkeys, subkey: (value, expiration_time)})
+
+
+def merge_entries(a: Entry | None, b: Entry | None) -> Entry | None:
+    """The union of two views of one key, by the same rule as storing b's records into a."""
+    if a is None or b is None:
+        return a or b
+    result: Entry = a
+    for subkey, value, exp in b.records():
+        result = merge(result, a.key, subkey, value, exp) or result
+    return result
+
+
+@dataclass
+class Storage:
+    """One node's records, bounded in count; the soonest-expiring record is evicted when full."""
+
+    max_records: int = 100_000
+    clock: Callable[[], float] = time.time
+    clock_drift: float = 1.0  # a record stays alive this long past its expiration by our clock
+    _data: dict[int, Entry] = field(default_factory=dict)
+    _expiry_heap: list[tuple[float, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def now(self) -> float:
+        return self.clock() - self.clock_drift
+
+    def store(self, key_id: int, key: bytes, subkey: bytes | None, value: bytes, expiration_time: float) -> bool:
+        """Apply one record; True if it was accepted (newer than what we had)."""
+        now = self.now()
+        if expiration_time <= now:
+            return False
+        self._prune(now)
+        old = self._data.get(key_id)
+        if old is not None:
+            old = old.alive(now)
+        merged = merge(old, key, subkey, value, expiration_time)
+        if merged is None:
+            return False
+        if key_id not in self._data and len(self._data) >= self.max_records:
+            self._evict_one()
+        self._data[key_id] = merged
+        heapq.heappush(self._expiry_heap, (merged.latest_expiration, key_id))
+        return True
+
+    def get(self, key_id: int) -> Entry | None:
+        entry = self._data.get(key_id)
+        if entry is None:
+            return None
+        alive = entry.alive(self.now())
+        if alive is None:
+            del self._data[key_id]
+        elif alive is not entry:
+            self._data[key_id] = alive
+        return alive
+
+    def keys(self) -> list[int]:
+        return list(self._data)
+
+    def _prune(self, now: float) -> None:
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, key_id = heapq.heappop(heap)
+            self.get(key_id)  # drops it if (still) expired; a re-stored key stays
+        if len(heap) > 4 * max(len(self._data), 1024):  # stale heap entries from re-stores
+            self._expiry_heap = [(e.latest_expiration, k) for k, e in self._data.items()]
+            heapq.heapify(self._expiry_heap)
+
+    def _evict_one(self) -> None:
+        while self._expiry_heap:
+            _, key_id = heapq.heappop(self._expiry_heap)
+            if key_id in self._data:
+                del self._data[key_id]
+                return
