@@ -1,0 +1,218 @@
+"""Averagers: a list of tensors bound to a DHT node, averaged in place with whoever is around.
+
+``DecentralizedAverager`` is the async API (on the DHT node's event loop); ``MoshpitAverager``
+adds Moshpit All-Reduce's grid of group keys; ``Averager`` is the blocking face for a ``dht.DHT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dht import DHT, DHTNode
+from p2p import CallKind, PeerID
+from p2p.node import CallContext
+
+from .allreduce import AllReduceRound
+from .compression import Codec
+from .matchmaking import Matchmaker
+from .partition import FlatTensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one averaging step did."""
+
+    group_size: int
+    failed_peers: list[PeerID] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    matchmaking_time: float = 0.0
+    allreduce_time: float = 0.0
+    group_id: str = ""
+    my_index: int = 0
+    group_peers: list[PeerID] = field(default_factory=list)  # in group order
+    part_sizes: list[int] = field(default_factory=list)  # elements each member reduced
+
+    @property
+    def averaged(self) -> bool:
+        """True if this peer averaged with at least one other."""
+        return self.group_size > 1
+
+
+class DecentralizedAverager:
+    """Averages ``tensors`` (float; copied into one flat buffer unless a single contiguous float32
+    tensor is given) with peers found under ``prefix``.  Read and modify the averaged values
+    through ``tensors`` (views into the buffer), not while a step is running."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], node: DHTNode, prefix: str, *,
+                 target_group_size: int = 8, min_group_size: int = 2, min_matchmaking_time: float = 1.0,
+                 request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
+                 compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 20, bandwidth: float = 100.0,
+                 poll_interval: float = 0.05) -> None:
+        if "." in prefix or not prefix:
+            raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
+        self.node = node
+        self.prefix = prefix
+        self.flat = FlatTensors(tensors)
+        self.codec = Codec(compression)
+        self.chunk_size = chunk_size
+        self.allreduce_timeout = allreduce_timeout
+        self.sender_timeout = sender_timeout
+        self.request_timeout = request_timeout
+        self.min_matchmaking_time = min_matchmaking_time
+        self.matchmaker = Matchmaker(node, prefix, self.flat.schema, self.flat.schema_hash, self.flat.numel,
+                                     target_group_size=target_group_size, min_group_size=min_group_size,
+                                     min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
+                                     bandwidth=bandwidth, poll_interval=poll_interval)
+        self.method = f"avg.allreduce.{prefix}"
+        self._rounds: dict[bytes, asyncio.Future] = {}
+        self._lock = asyncio.Lock()
+        node.p2p.register(self.method, self._rpc_allreduce, CallKind.BIDI)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.flat.views
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.node.peer_id
+
+    async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all") -> StepResult:
+        """Find a group under ``group_key`` and average with it; averages in place.
+
+        ``weight`` (e.g. samples processed) weighs this peer in the mean.  Never raises for other
+        peers' faults: the result says who failed, and ``group_size == 1`` if no group formed.
+        Raises ShapeMismatch if the group's tensors differ from ours.
+        """
+        if not weight >= 0 or weight == float("inf"):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            started = loop.time()
+            mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
+            total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
+            deadline = started + total
+            group = await self.matchmaker.form_group(group_key, min(started + mm_budget, deadline))
+            matched = loop.time()
+            if group is None or group.size < 2:
+                return StepResult(1, matchmaking_time=matched - started)
+            round_ = AllReduceRound(self.node.p2p, self.method, group, self.flat, float(weight), self.codec,
+                                    self.chunk_size, self.sender_timeout)
+            future = self._rounds.setdefault(group.group_id, loop.create_future())
+            if not future.done():
+                future.set_result(round_)
+            try:
+                outcome = await round_.run(min(matched + self.allreduce_timeout, max(deadline, matched + 1e-3)))
+            finally:
+                self._rounds.pop(group.group_id, None)
+            return StepResult(
+                group_size=group.size,
+                failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],
+                bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
+                matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
+                group_id=group.group_id.hex(), my_index=group.my_index,
+                group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes))
+
+    async def _rpc_allreduce(self, requests: Any, ctx: CallContext) -> Any:
+        first = await requests.recv()
+        if not isinstance(first, dict) or not isinstance(first.get("g"), bytes) or not isinstance(first.get("i"), int):
+            raise ValueError("all-reduce stream must start with {'g': group id, 'i': index, 'w': weight, ...}")
+        group_id = first["g"]
+        future = self._rounds.get(group_id)
+        if future is None:  # the sender learned of the group before we did: wait for our matchmaking
+            future = self._rounds[group_id] = asyncio.get_running_loop().create_future()
+        try:
+            round_: AllReduceRound = await asyncio.wait_for(asyncio.shield(future), self.request_timeout)
+        except asyncio.TimeoutError:
+            if self._rounds.get(group_id) is future and not future.done():
+                del self._rounds[group_id]
+            raise ValueError("this peer is not in that group") from None
+        index = first["i"]
+        if not 0 <= index < round_.group.size or round_.group.peer_ids[index] != ctx.peer_id:
+            raise PermissionError("sender index does not match the caller's identity")
+        async for payload in round_.serve(index, first.get("w"), first.get("schema"), requests,
+                                          bool(first.get("nonfinite"))):
+            yield payload
+
+    async def shutdown(self) -> None:
+        self.matchmaker.close()
+        self.node.p2p.unregister(self.method)
+        for future in self._rounds.values():
+            future.cancel()
+        self._rounds.clear()
+
+
+class MoshpitAverager(DecentralizedAverager):
+    """Moshpit All-Reduce: a peer holds a coordinate on a d-dimensional grid; round t groups peers
+    that agree on every coordinate except dimension t mod d, and each member then takes its index
+    in the group as its new coordinate there, so former group mates meet new peers next round.
+    With N = M**d live peers in groups of M, the average is exact after d rounds."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], node: DHTNode, prefix: str, *, grid: Sequence[int],
+                 coordinates: Sequence[int] | None = None, **options: Any) -> None:
+        if not grid or any(g < 1 for g in grid):
+            raise ValueError(f"grid must be a non-empty sequence of positive sizes, got {grid!r}")
+        options.setdefault("target_group_size", max(grid))
+        super().__init__(tensors, node, prefix, **options)
+        self.grid = list(grid)
+        if coordinates is None:  # a random spot; pass coordinates to control the first rounds
+            seed = int.from_bytes(node.peer_id.digest[:8], "big")
+            coordinates = [(seed >> (8 * i)) % g for i, g in enumerate(self.grid)]
+        if len(coordinates) != len(self.grid) or any(not 0 <= c < g for c, g in zip(coordinates, self.grid,
+                                                                                       strict=True)):
+            raise ValueError(f"coordinates {coordinates!r} do not fit grid {self.grid!r}")
+        self.coordinates = list(coordinates)
+        self.round = 0
+
+    def group_key(self) -> str:
+        dim = self.round % len(self.grid)
+        others = ",".join(str(c) for i, c in enumerate(self.coordinates) if i != dim)
+        return f"d{dim}:{others}"
+
+    async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str | None = None) -> StepResult:
+        dim = self.round % len(self.grid)
+        result = await super().step(weight, timeout, group_key or self.group_key())
+        if result.averaged:
+            self.coordinates[dim] = result.my_index % self.grid[dim]
+        self.round += 1
+        return result
+
+
+class Averager:
+    """The blocking face of an averager, for code that uses the synchronous ``dht.DHT``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], dht: DHT, prefix: str, *,
+                 moshpit_grid: Sequence[int] | None = None, **options: Any) -> None:
+        self.dht = dht
+
+        async def build(node: DHTNode) -> DecentralizedAverager:
+            if moshpit_grid is not None:
+                return MoshpitAverager(tensors, node, prefix, grid=moshpit_grid, **options)
+            return DecentralizedAverager(tensors, node, prefix, **options)
+
+        self.inner: DecentralizedAverager = dht.run_coroutine(build)
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The averaged tensors (views into the averager's buffer); do not hold them across ``step``."""
+        yield self.inner.tensors
+
+    def step(self, weight: float = 1.0, timeout: float | None = None, **kwargs: Any) -> StepResult:
+        async def run(_node: DHTNode) -> StepResult:
+            return await self.inner.step(weight, timeout, **kwargs)
+        return self.dht.run_coroutine(run)
+
+    def shutdown(self) -> None:
+        async def stop(_node: DHTNode) -> None:
+            await self.inner.shutdown()
+        self.dht.run_coroutine(stop)
+

@@ -1,0 +1,278 @@
+"""Matchmaking: peers that want to average under a key meet through the DHT and form a group.
+
+Each peer declares itself under ``<prefix>.mm.<group key>`` (its subkey is its PeerID) with the
+time it started looking.  The earliest declared peer that accepts connections leads: the others
+send it a join request, which it answers once the group is assembled — at ``target_group_size``,
+or after ``min_matchmaking_time`` with at least ``min_group_size``.  A leader that sees an earlier
+one appear steps down and redirects its followers; a dead or slow leader costs its followers one
+request timeout and a retry with the next candidate, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dht import DHTNode
+from p2p import P2PError, PeerID
+from p2p.node import CallContext
+
+from .allreduce import GroupInfo
+from .load_balancing import load_balanced_parts
+from .partition import describe_mismatch
+
+logger = logging.getLogger(__name__)
+
+
+class ShapeMismatch(ValueError):
+    """This peer's tensors differ from the group's; the message names the difference."""
+
+
+@dataclass(order=True)
+class Candidate:
+    declared_at: float
+    peer_id: PeerID
+    address: str | None = field(compare=False)
+    bandwidth: float = field(compare=False)
+    schema_hash: str = field(compare=False, default="")
+
+    @property
+    def can_lead(self) -> bool:
+        return self.address is not None
+
+
+@dataclass
+class _Leadership:
+    group_key: str
+    followers: list[Candidate] = field(default_factory=list)
+    replies: dict[PeerID, asyncio.Future] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+
+    def dismiss(self, why: str) -> None:
+        """Release every waiting follower with a refusal, so they look for another leader."""
+        self.closed = True
+        for fut in self.replies.values():
+            if not fut.done():
+                fut.set_result({"ok": False, "why": why})
+
+
+class Matchmaker:
+    def __init__(self, node: DHTNode, prefix: str, schema: list, schema_hash: str, numel: int, *,
+                 target_group_size: int,
+                 min_group_size: int, min_matchmaking_time: float, request_timeout: float, bandwidth: float,
+                 poll_interval: float = 0.05) -> None:
+        if not 1 <= min_group_size <= target_group_size:
+            raise ValueError(f"need 1 <= min_group_size ({min_group_size}) <= target_group_size ({target_group_size})")
+        self.node = node
+        self.p2p = node.p2p
+        self.prefix = prefix
+        self.schema = schema
+        self.schema_hash = schema_hash
+        self.numel = numel
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.min_matchmaking_time = min_matchmaking_time
+        self.request_timeout = request_timeout
+        self.bandwidth = 0.0 if self.p2p.client_mode else bandwidth
+        self.poll_interval = poll_interval
+        self.method = f"avg.join.{prefix}"
+        self._leading: _Leadership | None = None
+        self.p2p.register(self.method, self._rpc_join)
+
+    def close(self) -> None:
+        if self._leading is not None:
+            self._leading.dismiss("leader is shutting down")
+        self.p2p.unregister(self.method)
+
+    @property
+    def me(self) -> PeerID:
+        return self.p2p.peer_id
+
+    def _dht_key(self, group_key: str) -> str:
+        return f"{self.prefix}.mm.{group_key}"
+
+    # ---- the whole procedure -------------------------------------------------------------------
+    async def form_group(self, group_key: str, deadline: float) -> GroupInfo | None:
+        """Find a group before ``deadline`` (loop time); None if none formed."""
+        loop = asyncio.get_running_loop()
+        declared_at = time.time()
+        expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
+        key = self._dht_key(group_key)
+        declaration = {"a": self.p2p.listen_address_str and str(self.p2p.address), "t": declared_at,
+                       "bw": self.bandwidth, "h": self.schema_hash}
+        await self.node.store(key, declaration, expiration, subkey=str(self.me))
+        myself = Candidate(declared_at, self.me, declaration["a"], self.bandwidth, self.schema_hash)
+        unreachable: set[PeerID] = set()
+        try:
+            while loop.time() < deadline:
+                leader = _pick_leader(await self._candidates(key, myself), unreachable)
+                if leader is None:
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                if leader.peer_id == self.me:
+                    group = await self._lead(group_key, key, myself, unreachable, deadline)
+                else:
+                    group = await self._follow(group_key, leader, unreachable, deadline)
+                if group is not None:
+                    return group
+            return None
+        finally:
+            await self._withdraw(key, expiration)
+
+    async def _candidates(self, key: str, myself: Candidate) -> list[Candidate]:
+        found = await self.node.get(key, latest=True)
+        out = {myself.peer_id: myself}  # our own declaration may not be readable yet
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                cand = _parse_candidate(subkey, item.value)
+                if cand is not None:
+                    out[cand.peer_id] = cand
+        return sorted(out.values())
+
+    async def _withdraw(self, key: str, expiration: float) -> None:
+        """Overwrite our declaration (a later expiration wins) so nobody tries to join us."""
+        try:
+            await self.node.store(key, None, expiration + 1e-3, subkey=str(self.me))
+        except Exception as e:  # the DHT may be shutting down with us
+            logger.debug("could not withdraw matchmaking declaration: %s", e)
+
+    # ---- following -----------------------------------------------------------------------------
+    async def _follow(self, group_key: str, leader: Candidate, unreachable: set[PeerID],
+                      deadline: float) -> GroupInfo | None:
+        loop = asyncio.get_running_loop()
+        request = {"k": group_key, "schema": self.schema, "bw": self.bandwidth,
+                   "a": self.p2p.listen_address_str and str(self.p2p.address)}
+        timeout = min(deadline - loop.time(), self.min_matchmaking_time + self.request_timeout)
+        if timeout <= 0:
+            return None
+        try:
+            assert leader.address is not None
+            reply = await self.p2p.call(leader.address, self.method, request, timeout=timeout)
+        except P2PError as e:
+            logger.info("leader %s failed: %s", leader.peer_id, e)
+            unreachable.add(leader.peer_id)
+            return None
+        if not isinstance(reply, dict):
+            unreachable.add(leader.peer_id)
+            return None
+        if reply.get("error"):
+            raise ShapeMismatch(f"group {group_key!r} refused this peer: {reply['error']}")
+        if not reply.get("ok"):
+            await asyncio.sleep(self.poll_interval)  # not leading (any more) or full: look again
+            return None
+        try:
+            return GroupInfo.from_wire(reply["group"], self.me)
+        except ValueError as e:
+            logger.warning("leader %s sent a bad group: %s", leader.peer_id, e)
+            unreachable.add(leader.peer_id)
+            return None
+
+    # ---- leading -------------------------------------------------------------------------------
+    async def _lead(self, group_key: str, key: str, myself: Candidate, unreachable: set[PeerID],
+                    deadline: float) -> GroupInfo | None:
+        loop = asyncio.get_running_loop()
+        lead = self._leading = _Leadership(group_key)
+        started = loop.time()
+        next_check = started + self.poll_interval
+        try:
+            while True:
+                now = loop.time()
+                size = len(lead.followers) + 1
+                if size >= self.target_group_size or (size >= self.min_group_size and (
+                        now - started >= self.min_matchmaking_time or now >= deadline)):
+                    return self._assemble(lead)
+                if now >= deadline:
+                    lead.dismiss("leader ran out of time")
+                    return None
+                if now >= next_check:
+                    next_check = now + self.poll_interval
+                    leader = _pick_leader(await self._candidates(key, myself), unreachable)
+                    if leader is not None and leader.peer_id != self.me:
+                        lead.dismiss("another peer leads this group")
+                        return None
+                wake = min(next_check, started + self.min_matchmaking_time, deadline)
+                try:
+                    await asyncio.wait_for(lead.changed.wait(), max(wake - loop.time(), 0))
+                except asyncio.TimeoutError:
+                    pass
+                lead.changed.clear()
+        finally:
+            if self._leading is lead:
+                self._leading = None
+            if not lead.closed:
+                lead.dismiss("leader stopped")
+
+    def _assemble(self, lead: _Leadership) -> GroupInfo:
+        followers = lead.followers[: self.target_group_size - 1]
+        members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth),
+                   *followers]
+        sizes = load_balanced_parts(self.numel, [m.bandwidth for m in members])
+        group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes, 0)
+        wire = group.to_wire()
+        for f in followers:
+            fut = lead.replies.get(f.peer_id)
+            if fut is not None and not fut.done():
+                fut.set_result({"ok": True, "group": wire})
+        lead.dismiss("group is full")  # anyone beyond the target looks elsewhere
+        return group
+
+    async def _rpc_join(self, request: Any, ctx: CallContext) -> dict:
+        if not isinstance(request, dict):
+            raise ValueError("join request must be a dict")
+        lead = self._leading
+        if lead is None or lead.closed or lead.group_key != request.get("k"):
+            return {"ok": False, "why": "not leading this group"}
+        if request.get("schema") != self.schema:
+            return {"ok": False, "error": describe_mismatch(self.schema, request.get("schema") or [])}
+        if len(lead.followers) + 1 >= self.target_group_size or ctx.peer_id in lead.replies:
+            return {"ok": False, "why": "group is full"}
+        bandwidth = request.get("bw")
+        address = request.get("a") if not ctx.remote_client_mode else None
+        follower = Candidate(0.0, ctx.peer_id, address if isinstance(address, str) else None,
+                             float(bandwidth) if isinstance(bandwidth, (int, float)) and bandwidth >= 0 else 0.0)
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        lead.followers.append(follower)
+        lead.replies[ctx.peer_id] = reply
+        lead.changed.set()
+        try:
+            return await reply
+        finally:
+            if not reply.done():  # the follower gave up before the group formed
+                lead.followers.remove(follower)
+                lead.replies.pop(ctx.peer_id, None)
+
+
+def _pick_leader(candidates: list[Candidate], unreachable: set[PeerID]) -> Candidate | None:
+    """The earliest reachable peer of the largest schema class (ties: the class declared first).
+
+    Peers whose tensors differ from most others' thus never lead them; they ask the majority's
+    leader, and its refusal tells them what differs.
+    """
+    classes: dict[str, list[Candidate]] = {}
+    for c in sorted(candidates):
+        classes.setdefault(c.schema_hash, []).append(c)
+    for members in sorted(classes.values(), key=lambda m: (-len(m), m[0])):
+        leaders = [c for c in members if c.can_lead and c.peer_id not in unreachable]
+        if leaders:
+            return leaders[0]
+    return None
+
+
+def _parse_candidate(subkey: Any, value: Any) -> Candidate | None:
+    if not isinstance(value, dict) or not isinstance(subkey, str):
+        return None  # withdrawn (None) or malformed
+    try:
+        peer_id = PeerID.from_string(subkey)
+        declared_at = float(value["t"])
+        bandwidth = float(value.get("bw", 0.0))
+    except (KeyError, TypeError, ValueError):
+        return None
+    address = value.get("a")
+    schema_hash = value.get("h")
+    return Candidate(declared_at, peer_id, address if isinstance(address, str) else None, max(bandwidth, 0.0),
+                     schema_hash if isinstance(schema_hash, str) else "")

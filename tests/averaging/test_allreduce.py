@@ -1,0 +1,166 @@
+"""All-reduce with real peers on loopback: exact means, weights, Moshpit, client mode, faults."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
+from averaging.compression import error_bound
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def data(i: int, shapes=((300, 50), (7,), (1000,))) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return [torch.randn(*s, generator=g) * (i + 1) for s in shapes]
+
+
+async def make_averagers(nodes, tensors, **options):
+    options.setdefault("target_group_size", len(nodes))
+    options.setdefault("min_matchmaking_time", 10.0)  # generous: the group fills up long before
+    options.setdefault("chunk_size", 4096)  # many chunks: exercises streaming
+    return [DecentralizedAverager(t, n, "exp", **options) for t, n in zip(tensors, nodes, strict=True)]
+
+
+async def shutdown_all(averagers):
+    for a in averagers:
+        await a.shutdown()
+
+
+async def test_eight_peers_end_with_the_exact_mean(swarm):
+    nodes = await swarm(8)
+    tensors = [data(i) for i in range(8)]
+    expected = [torch.stack([t[k] for t in tensors]).double().mean(0).float() for k in range(3)]
+    averagers = await make_averagers(nodes, tensors)
+    results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+    try:
+        assert all(r.group_size == 8 and not r.failed_peers for r in results)
+        assert len({r.group_id for r in results}) == 1
+        for a in averagers:
+            for k in range(3):
+                torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
+                assert torch.equal(a.tensors[k], averagers[0].tensors[k])  # bit-identical everywhere
+        assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results)
+    finally:
+        await shutdown_all(averagers)
+
+
+async def test_weighted_mean(swarm):
+    nodes = await swarm(4)
+    tensors = [data(i) for i in range(4)]
+    weights = [1.0, 2.0, 0.5, 4.0]
+    expected = [sum(w * t[k].double() for w, t in zip(weights, tensors, strict=True)) / sum(weights)
+                for k in range(3)]
+    averagers = await make_averagers(nodes, tensors)
+    await asyncio.gather(*(a.step(weight=w, timeout=30) for a, w in zip(averagers, weights, strict=True)))
+    try:
+        for a in averagers:
+            for k in range(3):
+                torch.testing.assert_close(a.tensors[k].double(), expected[k], rtol=1e-5, atol=1e-5)
+    finally:
+        await shutdown_all(averagers)
+
+
+async def test_moshpit_3x3_grid_is_exact_after_two_rounds(swarm):
+    nodes = await swarm(9)
+    tensors = [[torch.full((64,), float(i * i))] for i in range(9)]
+    global_mean = sum(i * i for i in range(9)) / 9
+    averagers = [MoshpitAverager(t, n, "mosh", grid=(3, 3), coordinates=(i // 3, i % 3), min_matchmaking_time=10.0)
+                 for i, (t, n) in enumerate(zip(tensors, nodes, strict=True))]
+    try:
+        first = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        assert all(r.group_size == 3 for r in first)
+        values = sorted({round(a.tensors[0][0].item(), 4) for a in averagers})
+        assert len(values) == 3 and global_mean not in values  # three groups, three different means
+        second = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        assert all(r.group_size == 3 for r in second)
+        for a in averagers:
+            torch.testing.assert_close(a.tensors[0], torch.full((64,), global_mean), rtol=1e-6, atol=1e-5)
+    finally:
+        await shutdown_all(averagers)
+
+
+async def test_client_mode_peer_sends_and_receives_but_reduces_nothing(swarm):
+    nodes = await swarm(4, client_modes=[False, False, False, True])
+    tensors = [data(i) for i in range(4)]
+    expected = [torch.stack([t[k] for t in tensors]).mean(0) for k in range(3)]
+    averagers = await make_averagers(nodes, tensors)
+    results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+    try:
+        assert all(r.group_size == 4 and not r.failed_peers for r in results)
+        client = results[3]
+        assert client.my_index != 0  # a client-mode peer can never lead
+        for a in averagers:
+            for k in range(3):
+                torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
+    finally:
+        await shutdown_all(averagers)
+
+
+async def test_a_peer_sending_nan_is_excluded_and_the_others_are_correct(swarm):
+    nodes = await swarm(5)
+    tensors = [data(i) for i in range(5)]
+    tensors[2][0][3, 3] = float("nan")
+    tensors[2][2][:] = float("inf")
+    honest = [t for i, t in enumerate(tensors) if i != 2]
+    expected = [torch.stack([t[k] for t in honest]).mean(0) for k in range(3)]
+    averagers = await make_averagers(nodes, tensors)
+    results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+    try:
+        bad = averagers[2].peer_id
+        for i, (a, r) in enumerate(zip(averagers, results, strict=True)):
+            if i != 2:
+                assert bad in r.failed_peers
+            for k in range(3):  # everyone, the offender included, ends with the honest mean
+                torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
+    finally:
+        await shutdown_all(averagers)
+
+
+async def test_mismatched_tensor_shapes_are_refused_with_the_difference_named(swarm):
+    nodes = await swarm(3)
+    tensors = [data(0), data(1), data(2, shapes=((300, 50), (8,), (1000,)))]
+    averagers = await make_averagers(nodes[:2], tensors[:2], min_matchmaking_time=2.0)
+    odd = DecentralizedAverager(tensors[2], nodes[2], "exp", target_group_size=3, min_matchmaking_time=2.0)
+    try:
+        step_odd = asyncio.ensure_future(odd.step(timeout=20))
+        await asyncio.sleep(0)  # let the odd one start looking too
+        results = await asyncio.gather(*(a.step(timeout=20) for a in averagers))
+        with pytest.raises(ShapeMismatch, match=r"tensor 1 has shape \(8,\) where the group has \(7,\)"):
+            await step_odd
+        assert all(r.group_size == 2 for r in results)
+    finally:
+        await shutdown_all([*averagers, odd])
+
+
+async def test_compressed_averaging_stays_within_the_codec_bound(swarm):
+    nodes = await swarm(4)
+    tensors = [[torch.randn(50_000, generator=torch.Generator().manual_seed(i))] for i in range(4)]
+    exact = torch.stack([t[0] for t in tensors]).mean(0)
+    # two lossy hops (to the reducer, back from it), each within its bound on what it carried;
+    # computed first: a single float32 tensor is averaged in the caller's own memory
+    bound = sum(error_bound(Codec.UNIFORM8, t[0]) for t in tensors) / 4 + error_bound(Codec.UNIFORM8, exact)
+    averagers = await make_averagers(nodes, tensors, compression=Codec.UNIFORM8)
+    try:
+        await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        for a in averagers:
+            assert (a.tensors[0] - exact).abs().max().item() <= bound * 1.01
+            assert torch.equal(a.tensors[0], averagers[0].tensors[0])
+    finally:
+        await shutdown_all(averagers)
+
+
+async def test_alone_the_step_reports_no_group_and_changes_nothing(swarm):
+    (node,) = await swarm(1)
+    t = data(0)
+    before = [x.clone() for x in t]
+    averager = DecentralizedAverager(t, node, "solo", min_matchmaking_time=0.2, request_timeout=0.2)
+    try:
+        result = await averager.step(timeout=5)
+        assert result.group_size == 1 and not result.averaged
+        assert all(torch.equal(a, b) for a, b in zip(averager.tensors, before, strict=True))
+    finally:
+        await averager.shutdown()

@@ -1,0 +1,51 @@
+"""The DeDLOC linear program and integer part sizes."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from averaging import load_balanced_parts, optimal_shares, part_sizes
+
+
+def round_time(shares, bandwidths):
+    n = len(bandwidths)
+    return max((1 + (n - 2) * w) / b for w, b in zip(shares, bandwidths, strict=True) if b > 0)
+
+
+def test_equal_bandwidths_give_equal_parts():
+    assert load_balanced_parts(1000, [100.0] * 4) == [250, 250, 250, 250]
+
+
+def test_client_mode_peers_reduce_nothing_and_sizes_add_up():
+    bandwidths = [200.0, 100.0, 50.0, 0.0]
+    sizes = load_balanced_parts(10_001, bandwidths)
+    assert sizes[3] == 0 and sum(sizes) == 10_001
+    # the slowest peer's own traffic fixes T here, so several splits are optimal: check optimality
+    _, bound = optimal_shares(bandwidths)
+    assert round_time(np.array(sizes) / 10_001, bandwidths) == pytest.approx(bound, rel=1e-3)
+
+
+def test_lp_solution_is_optimal_against_a_grid_search():
+    bandwidths = [200.0, 100.0, 50.0, 25.0]
+    shares, bound = optimal_shares(bandwidths)
+    assert shares.sum() == pytest.approx(1.0) and (shares >= 0).all()
+    assert round_time(shares, bandwidths) == pytest.approx(bound, rel=1e-6)
+    grid = np.linspace(0, 1, 41)
+    best = min(round_time((a, b, c, 1 - a - b - c), bandwidths)
+               for a, b, c in itertools.product(grid, grid, grid) if a + b + c <= 1 + 1e-12)
+    assert bound <= best + 1e-9
+
+
+def test_part_sizes_round_by_largest_remainder():
+    assert part_sizes(10, np.array([1 / 3, 1 / 3, 1 / 3])) == [4, 3, 3]
+    assert sum(part_sizes(7, np.array([0.5, 0.25, 0.25]))) == 7
+
+
+def test_bad_bandwidths_are_refused():
+    with pytest.raises(ValueError, match="at least one peer"):
+        optimal_shares([0.0, 0.0])
+    with pytest.raises(ValueError):
+        optimal_shares([1.0, -1.0])
