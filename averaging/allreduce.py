@@ -156,7 +156,9 @@ class _Reducer:
                 and now - self.progress[s] > self.sender_timeout]
 
     async def wait(self) -> None:
-        await asyncio.gather(*self.done)
+        # shielded: the done futures are shared by every sender's handler, and cancelling a
+        # waiter (or a gather) would cancel them for everybody
+        await asyncio.shield(asyncio.gather(*self.done))
 
 
 class AllReduceRound:
@@ -197,20 +199,29 @@ class AllReduceRound:
         if self.reducer is not None:
             work.append(asyncio.ensure_future(self._reduce()))
         try:
-            await asyncio.wait_for(asyncio.gather(*work), max(deadline - loop.time(), 0.0))
+            # each exchange fails on its own: one surprise must not cancel the others (or our part)
+            results = await asyncio.wait_for(asyncio.gather(*work, return_exceptions=True),
+                                             max(deadline - loop.time(), 0.0))
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                    logger.error("all-reduce task failed unexpectedly", exc_info=r)
         except asyncio.TimeoutError:
             logger.warning("all-reduce %s passed its deadline", self.group.group_id.hex()[:8])
-            if self.reducer is not None:
-                for s in self.reducer.expected:
-                    if not self.reducer.finished_sending(s):
-                        self.reducer.fail(s, "all-reduce deadline passed")
         finally:
             for task in work:
                 task.cancel()
             await asyncio.gather(*work, return_exceptions=True)
+            self._release_part("the round ended")
         if self.reducer is not None:
             self.outcome.failed |= self.reducer.failed
         return self.outcome
+
+    def _release_part(self, reason: str) -> None:
+        """Complete every pending chunk of our part with what arrived, so no sender waits on us."""
+        if self.reducer is not None:
+            for s in sorted(self.reducer.expected):
+                if not self.reducer.finished_sending(s):
+                    self.reducer.fail(s, reason)
 
     async def _reduce(self) -> None:
         """Wait for this peer's part, dropping senders that stall."""
@@ -280,7 +291,9 @@ class AllReduceRound:
         consumer = asyncio.ensure_future(self._consume(sender, requests))
         try:
             for c in range(len(reducer.chunks)):
-                await reducer.done[c]
+                # shielded: if this sender's call is cancelled (it died), its handler must not take
+                # the shared future down with it; the other senders still wait on it
+                await asyncio.shield(reducer.done[c])
                 payload = reducer.encoded[c]
                 assert payload is not None
                 if reducer.failed:

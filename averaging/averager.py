@@ -86,7 +86,8 @@ class DecentralizedAverager:
     def peer_id(self) -> PeerID:
         return self.node.peer_id
 
-    async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all") -> StepResult:
+    async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all",
+                   target_group_size: int | None = None) -> StepResult:
         """Find a group under ``group_key`` and average with it; averages in place.
 
         ``weight`` (e.g. samples processed) weighs this peer in the mean.  Never raises for other
@@ -101,7 +102,7 @@ class DecentralizedAverager:
             mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
             total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
             deadline = started + total
-            group = await self.matchmaker.form_group(group_key, min(started + mm_budget, deadline))
+            group = await self.matchmaker.form_group(group_key, min(started + mm_budget, deadline), target_group_size)
             matched = loop.time()
             if group is None or group.size < 2:
                 return StepResult(1, matchmaking_time=matched - started)

@@ -75,6 +75,7 @@ class Matchmaker:
         self.schema_hash = schema_hash
         self.numel = numel
         self.target_group_size = target_group_size
+        self._target = target_group_size  # this call's target: at most target_group_size
         self.min_group_size = min_group_size
         self.min_matchmaking_time = min_matchmaking_time
         self.request_timeout = request_timeout
@@ -97,9 +98,15 @@ class Matchmaker:
         return f"{self.prefix}.mm.{group_key}"
 
     # ---- the whole procedure -------------------------------------------------------------------
-    async def form_group(self, group_key: str, deadline: float) -> GroupInfo | None:
-        """Find a group before ``deadline`` (loop time); None if none formed."""
+    async def form_group(self, group_key: str, deadline: float,
+                         target_group_size: int | None = None) -> GroupInfo | None:
+        """Find a group before ``deadline`` (loop time); None if none formed.
+
+        ``target_group_size`` overrides the configured target for this call (e.g. the number of
+        peers known to be ready), so a leader can close the group as soon as everyone is in.
+        """
         loop = asyncio.get_running_loop()
+        self._target = min(target_group_size or self.target_group_size, self.target_group_size)
         declared_at = time.time()
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
         key = self._dht_key(group_key)
@@ -183,7 +190,7 @@ class Matchmaker:
             while True:
                 now = loop.time()
                 size = len(lead.followers) + 1
-                if size >= self.target_group_size or (size >= self.min_group_size and (
+                if size >= self._target or (size >= self.min_group_size and (
                         now - started >= self.min_matchmaking_time or now >= deadline)):
                     return self._assemble(lead)
                 if now >= deadline:
@@ -208,7 +215,7 @@ class Matchmaker:
                 lead.dismiss("leader stopped")
 
     def _assemble(self, lead: _Leadership) -> GroupInfo:
-        followers = lead.followers[: self.target_group_size - 1]
+        followers = lead.followers[: self._target - 1]
         members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth),
                    *followers]
         sizes = load_balanced_parts(self.numel, [m.bandwidth for m in members])
@@ -229,7 +236,7 @@ class Matchmaker:
             return {"ok": False, "why": "not leading this group"}
         if request.get("schema") != self.schema:
             return {"ok": False, "error": describe_mismatch(self.schema, request.get("schema") or [])}
-        if len(lead.followers) + 1 >= self.target_group_size or ctx.peer_id in lead.replies:
+        if len(lead.followers) + 1 >= self._target or ctx.peer_id in lead.replies:
             return {"ok": False, "why": "group is full"}
         bandwidth = request.get("bw")
         address = request.get("a") if not ctx.remote_client_mode else None

@@ -269,7 +269,7 @@ class Connection(asyncio.BufferedProtocol):
         if kind == CANCEL:
             task = self.handlers.get(sid)
             if task is not None:
-                task.cancel()
+                task.cancel("the caller cancelled the call")
             return
         if stream is None:
             return  # a late message for a call we already finished or cancelled: harmless
@@ -426,7 +426,7 @@ class Connection(asyncio.BufferedProtocol):
             else:
                 stream.push_error(PeerUnreachable(self._unreachable_text()))
         for task in list(self.handlers.values()):
-            task.cancel()
+            task.cancel(f"connection closed: {self.close_reason}")
         for w in self._drain_waiters:
             if not w.done():
                 w.set_result(None)

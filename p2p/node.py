@@ -227,7 +227,7 @@ class P2P:
         self._handler_tasks.add(task)
         timeout = h.get("d")
         if isinstance(timeout, (int, float)) and timeout > 0:
-            timer = self.loop.call_later(timeout, task.cancel)
+            timer = self.loop.call_later(timeout, task.cancel, "the call's deadline passed")
             task.add_done_callback(lambda _: timer.cancel())
         task.add_done_callback(self._handler_tasks.discard)
 
@@ -251,8 +251,9 @@ class P2P:
                 async for item in fn(request, ctx):
                     await conn.send({"s": sid, "t": DATA, "e": 0, "p": item})
                 await conn.send({"s": sid, "t": END})
-        except asyncio.CancelledError:
-            pass  # the caller cancelled, the deadline passed, or we are shutting down
+        except asyncio.CancelledError as e:  # the caller cancelled, the deadline passed, or shutdown
+            logger.debug("handler %s for %s stopped: %s", stream.method, conn.remote_id, e.args[0] if e.args else
+                         "cancelled")
         except PeerUnreachable as e:
             if not conn.closed:  # the handler's own call to a third peer failed: tell our caller
                 conn._send_quiet({"s": sid, "t": ERROR, "x": type(e).__name__, "msg": str(e)})
