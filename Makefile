@@ -20,11 +20,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+BENCHMARKS = $(wildcard benchmarks/bench_*.py) benchmarks/moshpit_convergence.py
+
 bench: $(STAMP)
-	@set -e; for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done
+	@set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(BIN)/python $$b; done
 
 bench-quick: $(STAMP)
-	@set -e; for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b --quick; done
+	@set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(BIN)/python $$b --quick; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
