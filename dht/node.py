@@ -20,7 +20,7 @@ import msgpack
 from p2p import P2P, Identity, P2PError, PeerAddress, PeerUnreachable
 from p2p.node import CallContext
 
-from .routing import Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
+from .routing import ID_BYTES, Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
 from .storage import Entry, Storage, merge_entries
 from .validation import CompositeValidator, DHTRecord, RecordValidator, ValidationError
 
@@ -362,15 +362,24 @@ class DHTNode:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _absorb(self, search: _Search, contact: Contact, entry: Entry | None, contacts: list[Contact]) -> None:
+    def _absorb(self, search: _Search, contact: Contact, entry: Entry | None, contacts: list) -> None:
         search.add_responder(contact)
         if entry is not None and search.key is not None:
             entry = self._validated(search.key, entry)
             if entry is not None:
                 search.found.append((contact, entry))
-        for c in contacts:
-            if c.node_id != self.node_id and c.node_id not in search.candidates:
-                search.candidates[c.node_id] = c
+        for raw in contacts:
+            # most contacts in an answer are already known: check the id before parsing the rest
+            digest = raw[0] if isinstance(raw, list) and raw else None
+            if not isinstance(digest, bytes) or len(digest) < ID_BYTES:
+                continue
+            node_id = int.from_bytes(digest[:ID_BYTES], "big")
+            if node_id == self.node_id or node_id in search.candidates:
+                continue
+            try:
+                search.candidates[node_id] = Contact.from_wire(raw)
+            except ValueError:
+                continue  # one malformed contact does not spoil the rest of the answer
 
     def _refresh_stale(self, kid: int, best: Entry, search: _Search, local: Entry | None,
                        include_empty: bool) -> None:
@@ -404,7 +413,7 @@ class DHTNode:
                 if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
                     raise ValueError("find answer item must be [entry, contacts]")
                 entry = None if item[0] is None else Entry.from_wire(b"", item[0])
-                answers.append((entry, [Contact.from_wire(c) for c in item[1][: self.bucket_size]]))
+                answers.append((entry, item[1][: self.bucket_size]))
         except (P2PError, ValueError, TypeError) as e:
             self._forget(contact, e)
             return None

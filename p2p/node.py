@@ -368,13 +368,13 @@ class P2P:
             raise PeerUnreachable("this peer is shut down")
         if isinstance(peer, PeerID):
             conn = self._by_peer.get(peer)
-            if conn is None:
+            if conn is None or conn.closed or conn.going_away:
                 raise PeerUnreachable(f"no connection to {peer} and no address to dial")
             return conn
         addr = PeerAddress.parse(peer)
         if addr.peer_id is not None:
             conn = self._by_peer.get(addr.peer_id)
-            if conn is not None:
+            if conn is not None and not conn.closed and not conn.going_away:
                 return conn
         key = (addr.host, addr.port)
         conn = self._by_addr.get(key)
@@ -426,7 +426,8 @@ class P2P:
 
     def _evict_idle(self, exclude: Connection) -> None:
         """Over max_connections: close the least recently active idle connections (never busy ones)."""
-        idle = sorted((c for c in self._connections if c.idle and c is not exclude and not c.closed),
+        idle = sorted((c for c in self._connections
+                       if c.idle and c.is_ready and c is not exclude and not c.closed and not c.going_away),
                       key=lambda c: c.last_activity)
         for conn in idle[: len(self._connections) - self.max_connections]:
             conn.goaway()

@@ -357,3 +357,26 @@ async def test_connection_cap_closes_least_recently_used_idle_connections():
         assert await a.call(others[0].address, "echo", "again") == "again"
     finally:
         await asyncio.gather(a.shutdown(), *(p.shutdown() for p in others))
+
+
+async def test_eviction_never_touches_a_connection_still_in_its_handshake(no_asyncio_errors):
+    a = await P2P.create(max_connections=1)
+    others = await spawn_peers(6)
+    try:
+        for p in others:
+            p.register("echo", echo)
+        # concurrent dials over the cap: only ready, idle connections may be evicted
+        results = await asyncio.gather(*(a.call(p.address, "echo", i) for i, p in enumerate(others)))
+        assert results == list(range(6))
+    finally:
+        await asyncio.gather(a.shutdown(), *(p.shutdown() for p in others))
+
+
+async def test_a_call_right_after_a_local_close_dials_again(pair):
+    a, b = pair
+    b.register("echo", echo)
+    assert await a.call(b.address, "echo", 1) == 1
+    (conn,) = list(a._connections)
+    conn.abort("test: drop it")  # connection_lost has not run yet when the next call starts
+    assert await a.call(b.address, "echo", 2) == 2
+    assert await a.call(b.peer_id, "echo", 3) == 3
