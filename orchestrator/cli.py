@@ -19,6 +19,15 @@ def _dht(args: argparse.Namespace) -> int:
     return run_dht_peer(host=args.host, port=args.port, initial_peers=args.initial_peers, identity_path=args.identity)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from .worker_cli import run_worker
+
+    overrides = {k: getattr(args, k) for k in ("run", "task", "mode", "initial_peers", "host", "port", "client_mode",
+                                                "identity_path", "target_batch_size", "max_epochs", "max_seconds",
+                                                "seed", "report_file", "compression", "min_peers")}
+    return run_worker(args.config, overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotswarm", description="Decentralized training on preemptible machines.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -34,12 +43,33 @@ def build_parser() -> argparse.ArgumentParser:
                      help="peers to join through, as host:port or peerid@host:port")
     dht.add_argument("--identity", metavar="PATH", help="private key file; created if missing, keeps the peer id")
     dht.set_defaults(func=_dht)
+    wk = sub.add_parser("worker", help="run one training peer",
+                        description="Settings come from --config (YAML, keys as in workers.peer.WorkerConfig); "
+                                    "flags override it. SIGTERM leaves gracefully.")
+    wk.add_argument("--config", metavar="YAML", help="settings file")
+    wk.add_argument("--run", help="run name: peers of one run train together (default spotswarm)")
+    wk.add_argument("--task", help="built-in task (synthetic, charlm) or module.path:callable")
+    wk.add_argument("--mode", choices=["collaborative", "moshpit"], help="how peers combine their work")
+    wk.add_argument("--initial-peers", nargs="*", metavar="ADDR", help="peers to join through")
+    wk.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    wk.add_argument("--port", type=int, help="port to listen on (default: any free port)")
+    wk.add_argument("--client-mode", action="store_true", default=None, help="accept no connections (behind NAT)")
+    wk.add_argument("--identity", dest="identity_path", metavar="PATH", help="private key file (keeps the peer id)")
+    wk.add_argument("--target-batch-size", type=int, help="global batch per optimizer step (collaborative)")
+    wk.add_argument("--compression", choices=["none", "fp16", "uniform8", "blockwise8"], help="gradient codec")
+    wk.add_argument("--max-epochs", type=int, help="stop after this many global epochs")
+    wk.add_argument("--max-seconds", type=float, help="stop after this many seconds")
+    wk.add_argument("--seed", type=int, help="this peer's data order")
+    wk.add_argument("--report-file", metavar="PATH", help="append one JSON line per epoch")
+    wk.add_argument("--min-peers", type=int, help="wait until this many peers are up before training")
+    wk.set_defaults(func=_worker)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if args.command == "worker"
+                        else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

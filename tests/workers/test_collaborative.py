@@ -1,0 +1,90 @@
+"""DeDLOC collaborative training with peers as separate processes on loopback."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+COMMON = dict(task="synthetic", target_batch_size=128)
+
+
+def same_params(workers, epoch: int) -> bool:
+    digests = {w.epochs()[epoch]["params"] for w in workers}
+    return len(digests) == 1
+
+
+def test_four_peers_end_every_epoch_with_identical_parameters_and_learn(worker_swarm):
+    first = worker_swarm.start(min_peers=4, max_epochs=8, **COMMON)
+    others = [worker_swarm.start(min_peers=4, max_epochs=8, initial=first, **COMMON) for _ in range(3)]
+    peers = [first, *others]
+    worker_swarm.finish(peers, timeout=150)
+    assert all(w.proc.returncode == 0 for w in peers), [w.stderr()[-2000:] for w in peers]
+    for epoch in range(1, 9):
+        assert same_params(peers, epoch), f"parameters differ after epoch {epoch}"
+    losses = [first.epochs()[e]["loss"] for e in range(1, 9)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert max(w.epochs()[8]["peers"] for w in peers) == 4  # they really averaged together
+
+
+def test_a_late_peer_loads_state_and_trains_in_step(worker_swarm):
+    first = worker_swarm.start(min_peers=3, max_seconds=150, **COMMON)
+    early = [first] + [worker_swarm.start(min_peers=3, max_seconds=150, initial=first, **COMMON) for _ in range(2)]
+    worker_swarm.wait(lambda: min(w.latest_epoch() for w in early) >= 4, 90, "epoch 4 on the first peers")
+    late = worker_swarm.start(max_seconds=150, initial=first, **COMMON)
+    worker_swarm.wait(lambda: len(late.records()) >= 4, 90, "four epochs on the late peer")
+    worker_swarm.stop([*early, late])
+    joined = min(late.epochs())
+    assert joined >= 5, "the late peer must start from the others' epoch, not from zero"
+    common = set(late.epochs()).intersection(*(w.epochs() for w in early))
+    assert len(common) >= 3
+    for epoch in sorted(common):
+        assert same_params([*early, late], epoch), f"late peer out of step at epoch {epoch}"
+
+
+def test_a_peer_killed_mid_training_does_not_stop_the_others(worker_swarm):
+    first = worker_swarm.start(min_peers=4, max_epochs=10, **COMMON)
+    peers = [first] + [worker_swarm.start(min_peers=4, max_epochs=10, initial=first, **COMMON) for _ in range(3)]
+    victim = peers[2]
+    worker_swarm.wait(lambda: victim.latest_epoch() >= 2, 90, "epoch 2")
+    victim.signal(signal.SIGKILL)
+    survivors = [w for w in peers if w is not victim]
+    worker_swarm.finish(survivors, timeout=150)
+    assert all(w.proc.returncode == 0 and w.latest_epoch() == 10 for w in survivors)
+    assert min(w.epochs()[10]["peers"] for w in survivors) == 3  # the epoch advanced without it
+
+
+def test_a_paused_peer_catches_up_by_loading_state(worker_swarm):
+    first = worker_swarm.start(min_peers=3, max_seconds=150, **COMMON)
+    peers = [first] + [worker_swarm.start(min_peers=3, max_seconds=150, initial=first, **COMMON) for _ in range(2)]
+    sleeper = peers[1]
+    worker_swarm.wait(lambda: sleeper.latest_epoch() >= 2, 90, "epoch 2")
+    paused_at = sleeper.latest_epoch()
+    sleeper.signal(signal.SIGSTOP)
+    awake = [w for w in peers if w is not sleeper]
+    worker_swarm.wait(lambda: min(w.latest_epoch() for w in awake) >= paused_at + 4, 120, "others moving on")
+    sleeper.signal(signal.SIGCONT)
+    worker_swarm.wait(lambda: "loaded state of epoch" in sleeper.stderr(), 60, "the sleeper loading state")
+    resumed = max(w.latest_epoch() for w in awake)
+    worker_swarm.wait(lambda: sleeper.latest_epoch() >= resumed + 2, 90, "the sleeper training in step again")
+    worker_swarm.stop(peers)
+    common = [e for e in set(sleeper.epochs()).intersection(*(w.epochs() for w in awake)) if e > resumed]
+    assert common and all(same_params(peers, e) for e in common)
+
+
+def test_graceful_leave_leaves_no_errors_behind(worker_swarm):
+    first = worker_swarm.start(min_peers=3, max_epochs=10, **COMMON)
+    peers = [first] + [worker_swarm.start(min_peers=3, max_epochs=10, initial=first, **COMMON) for _ in range(2)]
+    leaver = peers[2]
+    worker_swarm.wait(lambda: leaver.latest_epoch() >= 3, 90, "epoch 3")
+    leaver.signal(signal.SIGTERM)  # a preemption notice
+    assert leaver.proc.wait(timeout=60) == 0
+    stayers = peers[:2]
+    worker_swarm.finish(stayers, timeout=150)
+    assert all(w.latest_epoch() == 10 for w in stayers)
+    for w in peers:
+        text = w.stderr()
+        assert " ERROR " not in text and "Traceback" not in text, text[-3000:]
+    assert "left at epoch" in leaver.stderr()

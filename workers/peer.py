@@ -1,0 +1,166 @@
+"""TrainingPeer: one training peer on one machine — the process ``spotswarm worker`` runs.
+
+It joins the DHT, loads the freshest state from peers, trains its share, averages with the others
+(collaborative or Moshpit), and leaves cleanly on ``prepare_to_leave`` (SIGTERM: a preemption
+notice).  One log line per epoch; optionally one JSON line per epoch in ``report_file``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import pydantic
+import torch
+
+from dht import DHT, SignatureValidator
+from p2p import Identity
+
+from .collaborative import CollaborativeOptimizer
+from .moshpit_sgd import MoshpitSGD
+from .task import load_task
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    run: str = pydantic.Field("spotswarm", pattern=r"^[A-Za-z0-9_-]+$")
+    task: str = "synthetic"
+    mode: Literal["collaborative", "moshpit"] = "collaborative"
+    initial_peers: list[str] = []
+    host: str = "127.0.0.1"
+    port: int = pydantic.Field(0, ge=0, le=65535)
+    client_mode: bool = False
+    identity_path: str | None = None
+    target_batch_size: int = pydantic.Field(256, gt=0)
+    compression: Literal["none", "fp16", "uniform8", "blockwise8"] = "none"
+    min_matchmaking_time: float = pydantic.Field(2.0, gt=0)
+    averaging_timeout: float = pydantic.Field(30.0, gt=0)
+    moshpit_grid: list[int] = [2, 2]
+    averaging_period: int = pydantic.Field(10, gt=0)
+    max_epochs: int | None = pydantic.Field(None, gt=0)
+    max_seconds: float | None = pydantic.Field(None, gt=0)
+    seed: int = 0  # data order of this peer; the model's initial weights come from the run
+    min_peers: int = pydantic.Field(1, ge=1)  # wait until this many peers are up before training
+    min_peers_timeout: float = pydantic.Field(120.0, gt=0)
+    report_file: str | None = None
+
+
+def params_digest(params: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class TrainingPeer:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.task = load_task(config.task)
+        self.model = self.task.model(seed=0)
+        optimizer = self.task.make_optimizer(self.model.parameters())
+        scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
+        identity = Identity.from_file(config.identity_path) if config.identity_path else Identity()
+        self.dht = DHT(config.initial_peers, host=config.host, port=config.port, client_mode=config.client_mode,
+                       identity=identity, validators=[SignatureValidator(identity)])
+        self.optimizer: CollaborativeOptimizer | MoshpitSGD
+        if config.mode == "collaborative":
+            self.optimizer = CollaborativeOptimizer(
+                optimizer, self.dht, config.run, config.target_batch_size, scheduler=scheduler,
+                compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
+                averaging_timeout=config.averaging_timeout)
+        else:
+            self.optimizer = MoshpitSGD(optimizer, self.dht, config.run, grid=config.moshpit_grid,
+                                        averaging_period=config.averaging_period,
+                                        min_matchmaking_time=config.min_matchmaking_time,
+                                        averaging_timeout=config.averaging_timeout, compression=config.compression)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._report = Path(config.report_file).open("a") if config.report_file else None
+
+    @property
+    def address(self) -> str | None:
+        return self.dht.addresses[0] if self.dht.addresses else None
+
+    @property
+    def epoch(self) -> int:
+        return self.optimizer.epoch
+
+    def run(self) -> None:
+        """Train until max_epochs / max_seconds or ``prepare_to_leave``."""
+        cfg = self.config
+        self._wait_for_peers()
+        started = time.monotonic()
+        batches = self.task.batches(cfg.seed)
+        samples, window_start, losses = 0, time.monotonic(), []
+        try:
+            while not self._stop.is_set():
+                if cfg.max_epochs is not None and self.epoch >= cfg.max_epochs:
+                    break
+                if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
+                    break
+                batch = next(batches)
+                loss = self.task.loss(self.model, batch)
+                loss.backward()
+                losses.append(loss.item())
+                samples += self.task.batch_size
+                epoch_before = self.epoch
+                self.optimizer.step(self.task.batch_size, loss.item())
+                if self.epoch != epoch_before:
+                    elapsed = max(time.monotonic() - window_start, 1e-9)
+                    self._log_epoch(sum(losses) / len(losses), samples / elapsed)
+                    samples, window_start, losses = 0, time.monotonic(), []
+        finally:
+            self._stopped.set()
+
+    def _wait_for_peers(self) -> None:
+        """Start together: a lone first peer would otherwise race through epochs on its own."""
+        cfg = self.config
+        if cfg.min_peers <= 1 or not isinstance(self.optimizer, CollaborativeOptimizer):
+            return
+        optimizer = self.optimizer
+        deadline = time.monotonic() + cfg.min_peers_timeout
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            optimizer.keep_alive()  # our report must outlive the wait, however long the others take
+            seen = len(self.dht.run_coroutine(lambda _n: optimizer.tracker.peers()))
+            if seen >= cfg.min_peers:
+                return
+            self._stop.wait(0.1)
+        logger.warning("started with fewer than %d peers after %.0f s", cfg.min_peers, cfg.min_peers_timeout)
+
+    def _log_epoch(self, loss: float, samples_per_second: float) -> None:
+        peers = self._peers()
+        logger.info("epoch %d loss %.4f samples/s %.1f peers %d", self.epoch, loss, samples_per_second, peers)
+        if self._report is not None:
+            record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
+                      "params": params_digest(list(self.model.parameters())), "time": time.time()}
+            self._report.write(json.dumps(record) + "\n")
+            self._report.flush()
+
+    def _peers(self) -> int:
+        opt = self.optimizer
+        if isinstance(opt, CollaborativeOptimizer):
+            return opt.history[-1].group_size if opt.history else 1
+        return opt.last_result.group_size if opt.last_result else 1
+
+    def prepare_to_leave(self, deadline: float = 30.0) -> None:
+        """Stop starting new rounds, let the current one finish (bounded by ``deadline``), withdraw
+        our DHT records and shut down.  Safe to call from a signal handler's thread or another."""
+        self._stop.set()
+        if not self._stopped.wait(timeout=deadline):
+            logger.warning("training loop did not stop within %.1f s; leaving anyway", deadline)
+        self.optimizer.prepare_to_leave()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+        if self._report is not None:
+            self._report.close()
+            self._report = None

@@ -1,0 +1,205 @@
+"""State hand-off: a new or lagging peer downloads the freshest training state from other peers.
+
+A donor advertises ``{epoch, bytes, address}`` under ``<run>.state`` and serves a snapshot of its
+state (taken when asked, so it keeps training meanwhile): a skeleton (the nested structure with
+tensors replaced by indices) plus the tensors, each with a SHA-256.  A downloader asks every donor
+at the freshest epoch for a share of the tensors in parallel, checks every checksum, and retries
+what failed from another donor; a dead donor costs a retry, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dht import DHTNode, SignatureValidator
+from p2p import CallKind, P2PError, PeerAddress
+from p2p.node import CallContext
+
+logger = logging.getLogger(__name__)
+
+_TENSOR = "__tensor__"
+
+
+class StateUnavailable(RuntimeError):
+    """No donor could provide a complete, verified state."""
+
+
+def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Split nested dicts/lists into a tensor-free skeleton and the list of tensors it refers to."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj.detach().clone())  # a snapshot: training goes on while we serve
+            return {_TENSOR: len(tensors) - 1}
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(state), tensors
+
+
+def unflatten_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if set(obj) == {_TENSOR}:
+                return tensors[obj[_TENSOR]]
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(skeleton)
+
+
+def checksum(t: torch.Tensor) -> bytes:
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return hashlib.sha256(raw).digest()
+
+
+@dataclass
+class _Snapshot:
+    epoch: int
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    sums: list[bytes]
+
+
+class StateSharer:
+    """Serves this peer's state to others and downloads others' state."""
+
+    def __init__(self, node: DHTNode, run: str, signer: SignatureValidator,
+                 get_state: Callable[[], tuple[int, Any]], rpc_timeout: float = 30.0) -> None:
+        self.node = node
+        self.run = run
+        self.key = f"{run}.state"
+        self.subkey = f"{signer.marker}{node.peer_id}"
+        self.get_state = get_state
+        self.rpc_timeout = rpc_timeout
+        self._snapshot: _Snapshot | None = None
+        self.meta_method = f"state.meta.{run}"
+        self.data_method = f"state.tensors.{run}"
+        if not node.client_mode:
+            node.p2p.register(self.meta_method, self._rpc_meta)
+            node.p2p.register(self.data_method, self._rpc_tensors, CallKind.SERVER_STREAM)
+
+    def close(self) -> None:
+        self.node.p2p.unregister(self.meta_method)
+        self.node.p2p.unregister(self.data_method)
+
+    # ---- donating ------------------------------------------------------------------------------
+    async def advertise(self, epoch: int, expiration: float = 60.0) -> None:
+        if self.node.client_mode:
+            return
+        await self.node.store(self.key, {"epoch": epoch, "a": str(self.node.address)}, time.time() + expiration,
+                              subkey=self.subkey)
+
+    async def withdraw(self) -> None:
+        await self.node.store(self.key, None, time.time() + 3600, subkey=self.subkey)
+
+    def _current(self) -> _Snapshot:
+        epoch, state = self.get_state()
+        if self._snapshot is None or self._snapshot.epoch != epoch:
+            skeleton, tensors = flatten_state(state)
+            self._snapshot = _Snapshot(epoch, skeleton, tensors, [checksum(t) for t in tensors])
+        return self._snapshot
+
+    async def _rpc_meta(self, request: Any, ctx: CallContext) -> dict:
+        snap = self._current()
+        return {"epoch": snap.epoch, "skeleton": snap.skeleton, "n": len(snap.tensors), "sums": snap.sums}
+
+    async def _rpc_tensors(self, request: Any, ctx: CallContext) -> Any:
+        if not isinstance(request, dict) or not isinstance(request.get("idx"), list):
+            raise ValueError("request must be {'epoch': int, 'idx': [tensor indices]}")
+        snap = self._current()  # any donor can serve tensors, not only the one asked for the metadata
+        if snap.epoch != request.get("epoch"):
+            raise ValueError(f"this peer no longer serves epoch {request.get('epoch')}")
+        for i in request["idx"]:
+            if not isinstance(i, int) or not 0 <= i < len(snap.tensors):
+                raise ValueError(f"no tensor {i!r}")
+            yield {"i": i, "t": snap.tensors[i], "h": snap.sums[i]}
+
+    # ---- downloading ---------------------------------------------------------------------------
+    async def donors(self, min_epoch: int = 0) -> list[tuple[int, str]]:
+        """(epoch, address) of peers offering state, freshest first."""
+        found = await self.node.get(self.key, latest=True)
+        out = []
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                value = item.value
+                if not isinstance(value, dict) or str(subkey) == self.subkey:
+                    continue
+                epoch, address = value.get("epoch"), value.get("a")
+                if isinstance(epoch, int) and epoch >= min_epoch and isinstance(address, str):
+                    out.append((epoch, address))
+        return sorted(out, reverse=True)
+
+    async def download(self, min_epoch: int = 0, max_donors: int = 4) -> tuple[int, Any]:
+        """The freshest verified state at or after ``min_epoch``, from up to ``max_donors`` in parallel."""
+        donors = await self.donors(min_epoch)
+        if not donors:
+            raise StateUnavailable(f"no peer offers state of epoch >= {min_epoch}")
+        last_error: Exception | None = None
+        for epoch in sorted({e for e, _ in donors}, reverse=True):
+            addresses = [a for e, a in donors if e == epoch]
+            try:
+                return epoch, await self._download_epoch(epoch, addresses, max_donors)
+            except StateUnavailable as e:
+                last_error = e
+        raise StateUnavailable(f"every donor failed: {last_error}")
+
+    async def _download_epoch(self, epoch: int, addresses: list[str], max_donors: int) -> Any:
+        meta = None
+        for address in list(addresses):
+            try:
+                meta = await self.node.p2p.call(address, self.meta_method, None, timeout=self.rpc_timeout)
+            except P2PError as e:
+                logger.info("state donor %s failed: %s", address, e)
+                addresses.remove(address)
+                continue
+            if isinstance(meta, dict) and meta.get("epoch") == epoch:
+                break
+            meta = None
+        if meta is None:
+            raise StateUnavailable(f"no donor answered for epoch {epoch}")
+        n, sums = int(meta["n"]), list(meta["sums"])
+        got: dict[int, torch.Tensor] = {}
+        pending = list(range(n))
+        alive = list(addresses)
+        while pending and alive:  # share what is missing among live donors; drop those that fail
+            use = alive[:max_donors]
+            shares = [pending[k::len(use)] for k in range(len(use))]
+            ok = await asyncio.gather(*(self._fetch(a, epoch, idx, sums, got) for a, idx in zip(use, shares,
+                                                                                               strict=True)))
+            alive = [a for a in alive if a not in use or ok[use.index(a)]]
+            pending = [i for i in range(n) if i not in got]
+        if pending:
+            raise StateUnavailable(f"{len(pending)} of {n} tensors could not be fetched and verified")
+        return unflatten_state(meta["skeleton"], [got[i] for i in range(n)])
+
+    async def _fetch(self, address: str, epoch: int, idx: list[int], sums: list[bytes],
+                     got: dict[int, torch.Tensor]) -> bool:
+        if not idx:
+            return True
+        try:
+            async with await self.node.p2p.call_stream(address, self.data_method, {"epoch": epoch, "idx": idx},
+                                                       timeout=self.rpc_timeout) as call:
+                async for item in call:
+                    i, tensor, digest = item["i"], item["t"], item["h"]
+                    if checksum(tensor) != digest or digest != sums[i]:
+                        raise ValueError(f"tensor {i} failed its checksum")
+                    got[i] = tensor
+        except (P2PError, ValueError, KeyError, TypeError) as e:
+            logger.info("state download from %s failed: %s", PeerAddress.parse(address).without_id(), e)
+            return False
+        return True
