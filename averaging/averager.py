@@ -184,7 +184,9 @@ class MoshpitAverager(DecentralizedAverager):
         result = await super().step(weight, timeout, group_key or self.group_key())
         if result.averaged:
             self.coordinates[dim] = result.my_index % self.grid[dim]
-        self.round += 1
+            self.round += 1
+        # else: retry this dimension next time; advancing alone would put this peer out of phase
+        # with the others (looking for group mates on another dimension) for good
         return result
 
 

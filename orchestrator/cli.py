@@ -24,7 +24,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in ("run", "task", "mode", "initial_peers", "host", "port", "client_mode",
                                                 "identity_path", "target_batch_size", "max_epochs", "max_seconds",
-                                                "seed", "report_file", "compression", "min_peers")}
+                                                "seed", "report_file", "compression", "min_peers", "moshpit_grid",
+                                                "averaging_period")}
     return run_worker(args.config, overrides)
 
 
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--seed", type=int, help="this peer's data order")
     wk.add_argument("--report-file", metavar="PATH", help="append one JSON line per epoch")
     wk.add_argument("--min-peers", type=int, help="wait until this many peers are up before training")
+    wk.add_argument("--moshpit-grid", type=int, nargs="+", metavar="M", help="Moshpit grid, e.g. 2 2 (mode moshpit)")
+    wk.add_argument("--averaging-period", type=int, help="local steps between Moshpit averaging rounds")
     wk.set_defaults(func=_worker)
     return parser
 

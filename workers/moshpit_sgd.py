@@ -4,6 +4,7 @@ peers average their parameters with Moshpit All-Reduce (groups re-mixed along a 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -11,13 +12,15 @@ import torch
 from averaging import Codec, MoshpitAverager, StepResult
 from dht import DHT, DHTNode
 
+from .progress import PeerProgress, ProgressTracker
+
 logger = logging.getLogger(__name__)
 
 
 class MoshpitSGD:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, *, grid: Sequence[int],
-                 averaging_period: int = 10, min_matchmaking_time: float = 2.0, averaging_timeout: float = 30.0,
-                 compression: str | Codec = Codec.NONE) -> None:
+                 averaging_period: int = 10, min_matchmaking_time: float = 0.5, request_timeout: float = 1.0,
+                 averaging_timeout: float = 30.0, compression: str | Codec = Codec.NONE) -> None:
         self.optimizer = optimizer
         self.dht = dht
         self.averaging_period = averaging_period
@@ -26,19 +29,31 @@ class MoshpitSGD:
         self.local_steps = 0
         self.epoch = 0  # averaging rounds done
         self.last_result: StepResult | None = None
+        self.samples = 0
+        self.last_loss: float | None = None
+        self._last_report = 0.0
         copies = [p.detach().float().clone() for p in self.params]
+        signer = _signer(dht)
 
-        async def build(node: DHTNode) -> MoshpitAverager:
-            return MoshpitAverager(copies, node, f"{run}_params", grid=grid, min_matchmaking_time=min_matchmaking_time,
-                                   allreduce_timeout=averaging_timeout, compression=compression)
+        async def build(node: DHTNode) -> tuple[MoshpitAverager, ProgressTracker]:
+            # short matchmaking: a peer alone on its grid key should get back to training quickly
+            averager = MoshpitAverager(copies, node, f"{run}_params", grid=grid,
+                                       min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
+                                       allreduce_timeout=averaging_timeout, compression=compression)
+            # progress is published as in collaborative runs, for start-up and for the orchestrator
+            return averager, ProgressTracker(node, run, 1, signer)
 
-        self.averager: MoshpitAverager = dht.run_coroutine(build)
+        self.averager, self.tracker = dht.run_coroutine(build)
+        self.keep_alive()
 
     def step(self, batch_size: int = 0, loss: float | None = None) -> bool:
         """A local step; returns True when this step also averaged parameters."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.local_steps += 1
+        self.samples += batch_size
+        self.last_loss = loss if loss is not None else self.last_loss
+        self.keep_alive()
         if self.local_steps % self.averaging_period:
             return False
         return self.average()
@@ -60,12 +75,29 @@ class MoshpitSGD:
                 for p, buf in zip(self.params, buffers, strict=True):
                     p.copy_(buf)
         self.epoch += 1
+        self.keep_alive(force=True)
         return result.averaged
 
+    def keep_alive(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last_report < self.tracker.expiration / 3:
+            return
+        self._last_report = time.monotonic()
+        progress = PeerProgress(epoch=self.epoch, samples=self.samples, samples_per_second=0.0, time=time.time(),
+                                client_mode=self.dht.node.client_mode, loss=self.last_loss)
+        tracker = self.tracker
+        self.dht.run_coroutine(lambda _n: tracker.report(progress))
+
     def prepare_to_leave(self) -> None:
-        averager = self.averager
+        averager, tracker = self.averager, self.tracker
 
         async def stop(_node: DHTNode) -> None:
+            await tracker.withdraw()
             await averager.shutdown()
 
         self.dht.run_coroutine(stop)
+
+
+def _signer(dht: DHT):
+    from .collaborative import signature_validator
+
+    return signature_validator(dht)

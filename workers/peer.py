@@ -79,7 +79,6 @@ class TrainingPeer:
         else:
             self.optimizer = MoshpitSGD(optimizer, self.dht, config.run, grid=config.moshpit_grid,
                                         averaging_period=config.averaging_period,
-                                        min_matchmaking_time=config.min_matchmaking_time,
                                         averaging_timeout=config.averaging_timeout, compression=config.compression)
         self._stop = threading.Event()
         self._stopped = threading.Event()
@@ -123,7 +122,7 @@ class TrainingPeer:
     def _wait_for_peers(self) -> None:
         """Start together: a lone first peer would otherwise race through epochs on its own."""
         cfg = self.config
-        if cfg.min_peers <= 1 or not isinstance(self.optimizer, CollaborativeOptimizer):
+        if cfg.min_peers <= 1:
             return
         optimizer = self.optimizer
         deadline = time.monotonic() + cfg.min_peers_timeout
