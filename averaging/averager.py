@@ -56,7 +56,7 @@ class DecentralizedAverager:
     def __init__(self, tensors: Sequence[torch.Tensor], node: DHTNode, prefix: str, *,
                  target_group_size: int = 8, min_group_size: int = 2, min_matchmaking_time: float = 1.0,
                  request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
-                 compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 20, bandwidth: float = 100.0,
+                 compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 18, bandwidth: float = 100.0,
                  poll_interval: float = 0.05) -> None:
         if "." in prefix or not prefix:
             raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
@@ -145,7 +145,7 @@ class DecentralizedAverager:
             yield payload
 
     async def shutdown(self) -> None:
-        self.matchmaker.close()
+        await self.matchmaker.close()
         self.node.p2p.unregister(self.method)
         for future in self._rounds.values():
             future.cancel()

@@ -83,12 +83,20 @@ class Matchmaker:
         self.poll_interval = poll_interval
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
+        self._background: set[asyncio.Task] = set()
         self.p2p.register(self.method, self._rpc_join)
 
-    def close(self) -> None:
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
         if self._leading is not None:
             self._leading.dismiss("leader is shutting down")
         self.p2p.unregister(self.method)
+        if self._background:  # let pending withdrawals land; they are bounded by the DHT's timeouts
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     @property
     def me(self) -> PeerID:
@@ -129,7 +137,8 @@ class Matchmaker:
                     return group
             return None
         finally:
-            await self._withdraw(key, expiration)
+            # in the background: the group must not wait for a DHT round trip to start averaging
+            self._spawn(self._withdraw(key, expiration))
 
     async def _candidates(self, key: str, myself: Candidate) -> list[Candidate]:
         found = await self.node.get(key, latest=True)
