@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/spotswarm demo
+	$(BIN)/spotswarm demo --duration 150
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -7,10 +7,51 @@ import logging
 import sys
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+def _console():
+    from rich.console import Console
 
-    return run_demo(peers=args.peers, tensor_mib=args.tensor_mib)
+    return Console()
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .cluster import up
+
+    return up(args.config, args.duration, _console())
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .cluster import up
+    from .config import ConfigError
+
+    try:
+        return up(args.config, args.duration, _console())
+    except ConfigError as e:
+        print(f"spotswarm up: invalid config, nothing started:\n{e}", file=sys.stderr)
+        return 2
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from .cluster import resume
+
+    return resume(args.run, args.duration, _console())
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .cluster import status
+
+    return status(args.run, _console())
+
+
+def _down(args: argparse.Namespace) -> int:
+    from .cluster import down
+
+    return down(args.run, _console())
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from .cluster import runs
+
+    return runs(args.base, _console())
 
 
 def _dht(args: argparse.Namespace) -> int:
@@ -33,10 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotswarm", description="Decentralized training on preemptible machines.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the embedded local demo")
-    demo.add_argument("--peers", type=int, default=8, help="number of peers (default 8)")
-    demo.add_argument("--tensor-mib", type=int, default=64, help="size of the streamed tensor in MiB (default 64)")
+    demo = sub.add_parser("demo", help="a few minutes of training on the simulated local spot fleet")
+    demo.add_argument("--config", default="cluster_configs/local.yaml", help="cluster YAML (default: local.yaml)")
+    demo.add_argument("--duration", type=float, default=150.0, help="seconds to run (default 150)")
     demo.set_defaults(func=_demo)
+    upp = sub.add_parser("up", help="start a run from a cluster YAML (foreground; Ctrl-C stops it cleanly)")
+    upp.add_argument("config", help="cluster YAML, e.g. cluster_configs/local.yaml")
+    upp.add_argument("--duration", type=float, help="stop after this many seconds")
+    upp.set_defaults(func=_up)
+    res = sub.add_parser("resume", help="continue a run after its fleet, supervisor or Ray died")
+    res.add_argument("run", help="run directory, e.g. runs/local-demo")
+    res.add_argument("--duration", type=float, help="stop after this many seconds")
+    res.set_defaults(func=_resume)
+    st = sub.add_parser("status", help="headline figures of a run")
+    st.add_argument("run", help="run directory")
+    st.set_defaults(func=_status)
+    dn = sub.add_parser("down", help="stop a running run: release every instance, keep its data")
+    dn.add_argument("run", help="run directory")
+    dn.set_defaults(func=_down)
+    rn = sub.add_parser("runs", help="list runs")
+    rn.add_argument("--base", default="runs", help="runs directory (default runs)")
+    rn.set_defaults(func=_runs)
     dht = sub.add_parser("dht", help="run a DHT peer (e.g. a bootstrap node) and print its address")
     dht.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     dht.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")

@@ -1,0 +1,172 @@
+"""A run on disk: ``runs/<cluster_name>/`` holds the resolved config, ``run.sqlite`` (instances,
+events, per-epoch progress, checkpoints) and ``checkpoints/``.  Everything needed to report on a
+run, or resume it after losing every machine, is here."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import ClusterConfig
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS instances (
+    id TEXT PRIMARY KEY, node_type TEXT NOT NULL, zone TEXT NOT NULL, market TEXT NOT NULL,
+    price_per_hour REAL NOT NULL, on_demand_price_per_hour REAL NOT NULL,
+    launched_at REAL NOT NULL, notice_at REAL, ended_at REAL, end_reason TEXT, peer_id TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    time REAL NOT NULL, kind TEXT NOT NULL, instance_id TEXT, detail TEXT
+);
+CREATE TABLE IF NOT EXISTS progress (
+    time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, samples_per_second REAL, peers INTEGER,
+    samples INTEGER
+);
+CREATE TABLE IF NOT EXISTS checkpoints (time REAL NOT NULL, epoch INTEGER NOT NULL, path TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_time ON events(time);
+CREATE INDEX IF NOT EXISTS progress_epoch ON progress(epoch);
+"""
+
+
+@dataclass
+class InstanceRecord:
+    id: str
+    node_type: str
+    zone: str
+    market: str
+    price_per_hour: float
+    on_demand_price_per_hour: float
+    launched_at: float
+    notice_at: float | None = None
+    ended_at: float | None = None
+    end_reason: str | None = None
+    peer_id: str | None = None
+
+    def seconds(self, now: float) -> float:
+        return max((self.ended_at or now) - self.launched_at, 0.0)
+
+    def cost(self, now: float) -> float:
+        return self.seconds(now) / 3600 * self.price_per_hour
+
+    def on_demand_cost(self, now: float) -> float:
+        return self.seconds(now) / 3600 * self.on_demand_price_per_hour
+
+
+class RunStore:
+    def __init__(self, run_dir: Path) -> None:
+        self.clock = time.time  # the local simulator swaps in its scaled clock
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "checkpoints").mkdir(exist_ok=True)
+        self.db = sqlite3.connect(self.dir / "run.sqlite", timeout=30, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")  # readers (status, dashboard) never block the writer
+        self.db.executescript(SCHEMA)
+        self.db.commit()
+
+    @classmethod
+    def create(cls, config: ClusterConfig, base: Path | None = None) -> RunStore:
+        store = cls(config.run_dir(base))
+        (store.dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        return store
+
+    @classmethod
+    def open(cls, run_dir: Path) -> RunStore:
+        if not (Path(run_dir) / "run.sqlite").exists():
+            raise FileNotFoundError(f"{run_dir} is not a run directory (no run.sqlite)")
+        return cls(run_dir)
+
+    def config(self) -> ClusterConfig:
+        return ClusterConfig.model_validate(yaml.safe_load((self.dir / "config.yaml").read_text()))
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- writing -------------------------------------------------------------------------------
+    def event(self, kind: str, instance_id: str | None = None, detail: Any = None, at: float | None = None) -> None:
+        text = detail if isinstance(detail, str) or detail is None else json.dumps(detail)
+        self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (at or self.clock(), kind, instance_id, text))
+        self.db.commit()
+
+    def launched(self, rec: InstanceRecord) -> None:
+        self.db.execute("INSERT INTO instances VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        (rec.id, rec.node_type, rec.zone, rec.market, rec.price_per_hour,
+                         rec.on_demand_price_per_hour, rec.launched_at, None, None, None, rec.peer_id))
+        self.db.commit()
+        self.event("launch", rec.id, {"zone": rec.zone, "node_type": rec.node_type, "market": rec.market,
+                                      "price_per_hour": rec.price_per_hour}, at=rec.launched_at)
+
+    def update_instance(self, instance_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self.db.execute(f"UPDATE instances SET {sets} WHERE id = ?", (*fields.values(), instance_id))
+        self.db.commit()
+
+    def progress(self, epoch: int, loss: float | None, samples_per_second: float, peers: int, samples: int) -> None:
+        self.db.execute("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
+                        (self.clock(), epoch, loss, samples_per_second, peers, samples))
+        self.db.commit()
+
+    def checkpoint(self, epoch: int, path: Path) -> None:
+        self.db.execute("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))
+        self.db.commit()
+
+    # ---- reading -------------------------------------------------------------------------------
+    def instances(self) -> list[InstanceRecord]:
+        rows = self.db.execute("SELECT * FROM instances ORDER BY launched_at").fetchall()
+        return [InstanceRecord(*row) for row in rows]
+
+    def events(self, kind: str | None = None) -> list[tuple]:
+        if kind is None:
+            return self.db.execute("SELECT * FROM events ORDER BY time").fetchall()
+        return self.db.execute("SELECT * FROM events WHERE kind = ? ORDER BY time", (kind,)).fetchall()
+
+    def progress_rows(self) -> list[tuple]:
+        return self.db.execute("SELECT * FROM progress ORDER BY time").fetchall()
+
+    def latest_epoch(self) -> int:
+        row = self.db.execute("SELECT MAX(epoch) FROM progress").fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        rows = self.db.execute("SELECT epoch, path FROM checkpoints ORDER BY epoch DESC").fetchall()
+        for epoch, path in rows:
+            if Path(path).exists():
+                return int(epoch), Path(path)
+        return None
+
+
+@dataclass
+class CostSummary:
+    dollars: float
+    on_demand_dollars: float
+    instance_hours: float
+    samples: int
+    preemptions: int
+
+    @property
+    def savings(self) -> float:
+        return self.on_demand_dollars - self.dollars
+
+    @property
+    def dollars_per_million_samples(self) -> float | None:
+        return self.dollars / self.samples * 1e6 if self.samples else None
+
+
+def summarize_costs(store: RunStore, now: float | None = None) -> CostSummary:
+    """Dollars summed over every instance the run ever had, across every recovery; the on-demand
+    counterfactual prices the same instance-seconds at on-demand rates."""
+    now = now or store.clock()
+    instances = store.instances()
+    rows = store.db.execute("SELECT MAX(samples) FROM progress").fetchone()
+    return CostSummary(
+        dollars=sum(i.cost(now) for i in instances),
+        on_demand_dollars=sum(i.on_demand_cost(now) for i in instances),
+        instance_hours=sum(i.seconds(now) for i in instances) / 3600,
+        samples=int(rows[0] or 0),
+        preemptions=sum(1 for i in instances if i.end_reason == "preempted"),
+    )
