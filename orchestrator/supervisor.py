@@ -81,6 +81,7 @@ class SupervisorCore:
         self.pending: list[_Pending] = []
         self.live: dict[str, Instance] = {}
         self.noticed: set[str] = set()
+        self.left: set[str] = set()
         self.preemptions: deque[tuple[float, str]] = deque()
         self.epoch = self.store.latest_epoch()
         self.status_text = "starting"
@@ -125,6 +126,7 @@ class SupervisorCore:
     def tick(self) -> None:
         now = self.clock()
         self._forward_notices(now)
+        self._record_leaves()
         for instance_id in self.provider.poll_terminated(now):
             self._ended(instance_id, "preempted" if instance_id in self.noticed else "died")
         self._record_progress()
@@ -145,6 +147,15 @@ class SupervisorCore:
             self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at})
             deadline = max(self.clock.to_real(notice.terminate_at - now) * 0.8, 0.5)
             self.provider.notify(inst, deadline)
+
+    def _record_leaves(self) -> None:
+        waiting = [i for i in self.noticed if i in self.live and i not in self.left]
+        poll = getattr(self.provider, "poll_left", None)
+        if not waiting or poll is None:
+            return
+        for instance_id in poll(waiting):
+            self.left.add(instance_id)
+            self.store.event("left", instance_id)  # the worker left gracefully before the kill
 
     def _ended(self, instance_id: str, reason: str) -> None:
         inst = self.live.pop(instance_id, None)

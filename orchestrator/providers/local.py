@@ -83,6 +83,7 @@ class LocalSpotProvider(NodeProvider):
         self.schedules: dict[str, _Schedule] = {}
         self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
         self.failed: set[str] = set()
+        self.leave_checks: dict[str, Any] = {}
         self.launches = 0
         self.trace = _read_trace(config.provider.trace_file) if config.provider.trace_file else None
 
@@ -170,6 +171,27 @@ class LocalSpotProvider(NodeProvider):
                 self._sigkill(instance_id)
                 gone.append(instance_id)
         return gone
+
+    def poll_left(self, instance_ids: list[str]) -> list[str]:
+        """Which of these noticed instances' workers have finished leaving (non-blocking)."""
+        for instance_id in instance_ids:
+            inst = self.instances.get(instance_id)
+            if inst is not None and instance_id not in self.leave_checks and instance_id in self.pids:
+                self.leave_checks[instance_id] = inst.handle.status.remote()
+        if not self.leave_checks:
+            return []
+        refs = {ref: i for i, ref in self.leave_checks.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        left = []
+        for ref in ready:
+            instance_id = refs[ref]
+            del self.leave_checks[instance_id]
+            try:
+                if ray.get(ref)["left"]:
+                    left.append(instance_id)
+            except Exception:  # killed meanwhile: it never reported leaving
+                continue
+        return left
 
     def notify(self, instance: Instance, deadline_s: float) -> None:
         instance.handle.notice.remote(deadline_s)  # queued behind start if it is still booting

@@ -1,0 +1,121 @@
+"""The supervisor against a real local Ray: preemptions, graceful leave, trace replay, budget."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.run_store import RunStore, summarize_costs  # noqa: E402
+from orchestrator.supervisor import SupervisorCore  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    for attempt in range(3):
+        try:
+            ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False, namespace="spotswarm-tests")
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+            time.sleep(1)
+    yield
+    ray.shutdown()
+
+
+def cluster(tmp_path: Path, **overrides) -> ClusterConfig:
+    data = {
+        "cluster_name": "t", "runs_dir": str(tmp_path / "runs"),
+        "provider": {"type": "local", "zones": ["a", "b"], "time_scale": 10.0, "provisioning_delay_s": 10.0},
+        "available_node_types": {"small": {"min_workers": 2, "max_workers": 2, "on_demand_price_per_hour": 1.0,
+                                           "spot_price_per_hour": {"a": 0.3, "b": 0.3}}},
+        "spot": {"notice_period_s": 10.0},
+        "training": {"task": "synthetic", "target_batch_size": 64, "min_matchmaking_time_s": 0.5,
+                     "averaging_timeout_s": 10.0},
+        "checkpoint": {"every_s": 30.0},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return ClusterConfig.model_validate(data)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll a condition on the run store (returns as soon as it holds; not a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def query(run_dir: Path, sql: str, *args):
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("notice_after_s,kill_after_s\n40,70\n,\n,\n")  # only the first instance is preempted
+    config = cluster(tmp_path, provider={"trace_file": str(trace)})
+    RunStore.create(config).close()
+    run_dir = config.run_dir()
+    core = SupervisorCore(config, run_dir)
+    core.start()
+    try:
+        first = f"{config.cluster_name}-small-0000"
+        wait_for(lambda: query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", first) == [("preempted",)],
+                 120, "the first instance to be preempted")
+        killed_epoch = core.epoch
+        wait_for(lambda: len(query(run_dir, "SELECT id FROM instances")) == 3, 60, "a replacement")
+        wait_for(lambda: core.epoch >= killed_epoch + 3, 90, "the epoch to keep advancing")
+    finally:
+        core.stop()
+
+    (launched, notice, ended), = query(run_dir, "SELECT launched_at, notice_at, ended_at FROM instances WHERE id = ?",
+                                       first)
+    tick = core.tick_s * config.provider.time_scale
+    assert notice - launched == pytest.approx(40.0, abs=1e-6)  # the trace replays exactly
+    assert 70.0 <= ended - launched <= 70.0 + 2 * tick
+    kinds = [k for _, k, i, _ in query(run_dir, "SELECT * FROM events WHERE instance_id = ? ORDER BY time", first)]
+    assert kinds.index("notice") < kinds.index("left") < kinds.index("preempted")  # left gracefully first
+    replacement_launch = query(run_dir, "SELECT launched_at FROM instances WHERE id LIKE '%-0002'")[0][0]
+    assert replacement_launch - ended <= config.provider.provisioning_delay_s + 4 * tick
+    assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted'") == [(1,)]
+
+
+def test_the_budget_cap_is_never_exceeded(tmp_path):
+    cap = 0.02
+    config = cluster(tmp_path, provider={"time_scale": 100.0, "provisioning_delay_s": 0.0},
+                     budget={"max_total_dollars": cap},
+                     available_node_types={"small": {"min_workers": 2, "max_workers": 2,
+                                                     "on_demand_price_per_hour": 2.0,
+                                                     "spot_price_per_hour": {"a": 1.0, "b": 1.0},
+                                                     "preemption": {"distribution": "none"}}})
+    RunStore.create(config).close()
+    run_dir = config.run_dir()
+    core = SupervisorCore(config, run_dir)
+    core.start()
+    try:
+        wait_for(lambda: core.budget_exhausted, 120, "the budget to run out")
+    finally:
+        core.stop()
+    store = RunStore.open(run_dir)
+    try:
+        spent = summarize_costs(store, now=max(i.ended_at for i in store.instances())).dollars
+        assert 0 < spent <= cap
+        assert all(i.ended_at is not None for i in store.instances())
+        assert store.events("budget_exhausted")
+    finally:
+        store.close()
