@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from dht import DHT, DHTNode
 from p2p import CallKind, PeerID
 from p2p.node import CallContext
 
-from .allreduce import AllReduceRound
+from .allreduce import AllReduceRound, GroupInfo
 from .compression import Codec
 from .matchmaking import Matchmaker
 from .partition import FlatTensors
@@ -87,12 +88,13 @@ class DecentralizedAverager:
         return self.node.peer_id
 
     async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all",
-                   target_group_size: int | None = None) -> StepResult:
+                   target_group_size: int | None = None, abort: asyncio.Event | None = None) -> StepResult:
         """Find a group under ``group_key`` and average with it; averages in place.
 
         ``weight`` (e.g. samples processed) weighs this peer in the mean.  Never raises for other
         peers' faults: the result says who failed, and ``group_size == 1`` if no group formed.
-        Raises ShapeMismatch if the group's tensors differ from ours.
+        Raises ShapeMismatch if the group's tensors differ from ours.  Setting ``abort`` gives up
+        matchmaking (e.g. the others have moved on without us); a round once started runs to its end.
         """
         if not weight >= 0 or weight == float("inf"):
             raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
@@ -102,7 +104,7 @@ class DecentralizedAverager:
             mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
             total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
             deadline = started + total
-            group = await self.matchmaker.form_group(group_key, min(started + mm_budget, deadline), target_group_size)
+            group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort)
             matched = loop.time()
             if group is None or group.size < 2:
                 return StepResult(1, matchmaking_time=matched - started)
@@ -122,6 +124,22 @@ class DecentralizedAverager:
                 matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
                 group_id=group.group_id.hex(), my_index=group.my_index,
                 group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes))
+
+    async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
+                         abort: asyncio.Event | None) -> GroupInfo | None:
+        forming = self.matchmaker.form_group(group_key, deadline, target_group_size)
+        if abort is None:
+            return await forming
+        task = asyncio.ensure_future(forming)
+        aborted = asyncio.ensure_future(abort.wait())
+        try:
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not task.done():  # matchmaking cleans up after itself when cancelled
+                task.cancel()
+            await asyncio.gather(task, aborted, return_exceptions=True)
+        return None if task.cancelled() else task.result()
 
     async def _rpc_allreduce(self, requests: Any, ctx: CallContext) -> Any:
         first = await requests.recv()
@@ -172,7 +190,8 @@ class MoshpitAverager(DecentralizedAverager):
                                                                                        strict=True)):
             raise ValueError(f"coordinates {coordinates!r} do not fit grid {self.grid!r}")
         self.coordinates = list(coordinates)
-        self.round = 0
+        self.round = 0  # callers that know the swarm's round (e.g. from its progress records) may set it
+        self._rng = random.Random(int.from_bytes(node.peer_id.digest[8:16], "big"))
 
     def group_key(self) -> str:
         dim = self.round % len(self.grid)
@@ -184,9 +203,12 @@ class MoshpitAverager(DecentralizedAverager):
         result = await super().step(weight, timeout, group_key or self.group_key())
         if result.averaged:
             self.coordinates[dim] = result.my_index % self.grid[dim]
-            self.round += 1
-        # else: retry this dimension next time; advancing alone would put this peer out of phase
-        # with the others (looking for group mates on another dimension) for good
+        else:
+            # nobody shared our key: with few peers, random spots collide and leave some keys empty;
+            # a fresh spot gives this peer a new chance, where retrying the same key may never succeed
+            self.coordinates = [self._rng.randrange(g) for g in self.grid]
+        # the round advances either way: peers that average on the same cadence stay in phase
+        self.round += 1
         return result
 
 

@@ -12,6 +12,7 @@ The optimizer lives on the training thread; everything networked runs on the DHT
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -123,16 +124,18 @@ class CollaborativeOptimizer:
             for buf in self.grad_buffers:  # mean gradient per micro-batch; weighted by samples below
                 buf.div_(self.local_steps)
         started = time.monotonic()
-        if progress.num_peers <= 1:  # alone at this epoch: nobody to wait for
+        # Step alone only when nobody else is alive: two peers that each stepped alone on a stale view
+        # of the other would share an epoch with different parameters, and never reconcile.
+        alone = progress.live_peers <= 1
+        if alone:
             result = StepResult(group_size=1)
         else:
-            result = self._call(lambda n: self.averager.step(
-                weight=float(self.local_samples), timeout=self.averaging_timeout, group_key=f"e{self.epoch}",
-                target_group_size=progress.num_peers))
-        if not result.averaged and progress.num_peers > 1:
-            # others are at this epoch but we could not meet them: stepping alone would diverge
-            logger.info("epoch %d: could not average with the other %d peers; will load their state",
-                        self.epoch, progress.num_peers - 1)
+            # wait for every live peer, including one whose record still shows the previous epoch
+            # (it is about to report this one); the matchmaking time bounds the wait for a dead one
+            result = self._call(lambda n: self._average(progress.live_peers))
+        if not alone and not result.averaged:
+            logger.info("epoch %d: could not average with the other %d live peers; will load their state",
+                        self.epoch, progress.live_peers - 1)
             self._restore_accumulated()
             return False
         for p, buf in zip(self.params, self.grad_buffers, strict=True):
@@ -147,6 +150,25 @@ class CollaborativeOptimizer:
         self._report(force=True)
         self._advertise()
         return True
+
+    async def _average(self, live_peers: int) -> StepResult:
+        """All-reduce this epoch's gradients; give up matchmaking as soon as the others have moved on
+        without us (we then load their state) instead of waiting out the matchmaking time alone."""
+        abort = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_epoch(abort))
+        try:
+            return await self.averager.step(weight=float(self.local_samples), timeout=self.averaging_timeout,
+                                            group_key=f"e{self.epoch}", target_group_size=live_peers, abort=abort)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _watch_epoch(self, moved_on: asyncio.Event) -> None:
+        while True:
+            await asyncio.sleep(self.report_interval * 2)
+            if (await self.tracker.global_progress()).epoch > self.epoch:
+                moved_on.set()
+                return
 
     def _restore_accumulated(self) -> None:
         if self.local_steps:
@@ -181,6 +203,7 @@ class CollaborativeOptimizer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.epoch = epoch
         self._reset_accumulators()
+        self._advertise()  # a donor for the next newcomer at this epoch
         logger.info("loaded state of epoch %d from peers", epoch)
         return True
 
@@ -203,7 +226,7 @@ class CollaborativeOptimizer:
     def keep_alive(self) -> None:
         """Refresh our DHT records well before they expire (also for callers that are not stepping)."""
         now = time.monotonic()
-        if now - self._last_report > self.tracker.expiration / 3:
+        if now - self._last_report > self.tracker.fresh_for / 2:  # others wait only for fresh peers
             self._report(force=True)
         if now - self._last_advert > self.advert_expiration / 3:
             self._advertise()

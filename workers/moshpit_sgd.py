@@ -63,9 +63,14 @@ class MoshpitSGD:
         with torch.no_grad():
             for p, buf in zip(self.params, buffers, strict=True):
                 buf.copy_(p)
-        averager = self.averager
+        averager, tracker = self.averager, self.tracker
 
         async def run(_node: DHTNode) -> StepResult:
+            # a newcomer, or a peer that lost a round, joins the swarm's current round: a peer out of
+            # phase looks for group mates along another grid dimension than everyone else
+            swarm = (await tracker.global_progress()).epoch
+            if swarm > self.epoch:
+                self.epoch = averager.round = swarm
             return await averager.step(timeout=self.averaging_timeout)
 
         result = self.dht.run_coroutine(run)

@@ -35,6 +35,7 @@ class GlobalProgress:
     samples_per_second: float
     num_peers: int  # peers that reported for the global epoch
     eta: float  # estimated seconds until the target is reached
+    live_peers: int = 0  # peers that reported recently, at any epoch: the group mates to wait for
 
     @property
     def ready(self) -> bool:
@@ -43,12 +44,13 @@ class GlobalProgress:
 
 class ProgressTracker:
     def __init__(self, node: DHTNode, run: str, target_batch_size: int, signer: SignatureValidator,
-                 expiration: float = 30.0) -> None:
+                 expiration: float = 30.0, fresh_for: float = 5.0) -> None:
         self.node = node
         self.key = f"{run}.progress"
         self.target = target_batch_size
         self.subkey = f"{signer.marker}{node.peer_id}"
         self.expiration = expiration
+        self.fresh_for = fresh_for  # a record older than this may be a dead peer's: not worth waiting for
         self.last_report: PeerProgress | None = None
 
     async def report(self, progress: PeerProgress) -> None:
@@ -84,4 +86,7 @@ class ProgressTracker:
         samples = sum(p.samples + p.samples_per_second * max(now - p.time, 0.0) for p in current)
         rate = sum(p.samples_per_second for p in current)
         eta = 0.0 if samples >= self.target else ((self.target - samples) / rate if rate > 0 else float("inf"))
-        return GlobalProgress(epoch, samples, self.target, rate, len(current), eta)
+        # a peer behind is about to load state and join (or its record is a few milliseconds stale):
+        # groups wait for it, else a fast peer alone would race ahead and a newcomer never catch up
+        live = sum(now - p.time <= self.fresh_for for p in peers.values())
+        return GlobalProgress(epoch, samples, self.target, rate, len(current), eta, max(live, 1))

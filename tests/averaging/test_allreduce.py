@@ -83,6 +83,32 @@ async def test_moshpit_3x3_grid_is_exact_after_two_rounds(swarm):
         await shutdown_all(averagers)
 
 
+async def test_moshpit_peers_on_colliding_spots_still_reach_the_mean(swarm):
+    """Three peers start on one grid spot and one peer alone: lone peers move to a fresh spot, so the
+    swarm still mixes (a peer that kept retrying its empty key would never average again)."""
+    nodes = await swarm(4)
+    tensors = [[torch.full((16,), float(10 * i))] for i in range(4)]
+    averagers = [MoshpitAverager(t, n, "collide", grid=(2, 2), coordinates=c, min_matchmaking_time=0.3,
+                                   request_timeout=0.5)
+                 for t, n, c in zip(tensors, nodes, [(0, 0), (0, 0), (0, 0), (1, 1)], strict=True)]
+    try:
+        averaged = [0] * 4
+        for _ in range(30):
+            results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+            averaged = [n + r.averaged for n, r in zip(averaged, results, strict=True)]
+            assert all(a.round == averagers[0].round for a in averagers)  # still in phase
+            total = sum(a.tensors[0][0].item() for a in averagers)
+            assert total == pytest.approx(60.0, abs=1e-3)  # pairwise averaging keeps the sum
+            if max(a.tensors[0].max().item() for a in averagers) - min(a.tensors[0].min().item()
+                                                                       for a in averagers) < 1e-3:
+                break
+        assert all(n >= 1 for n in averaged), averaged
+        for a in averagers:
+            torch.testing.assert_close(a.tensors[0], torch.full((16,), 15.0), rtol=0, atol=1e-3)
+    finally:
+        await shutdown_all(averagers)
+
+
 async def test_client_mode_peer_sends_and_receives_but_reduces_nothing(swarm):
     nodes = await swarm(4, client_modes=[False, False, False, True])
     tensors = [data(i) for i in range(4)]

@@ -67,7 +67,8 @@ def query(run_dir: Path, sql: str, *args):
 
 def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp_path):
     trace = tmp_path / "trace.csv"
-    trace.write_text("notice_after_s,kill_after_s\n40,70\n,\n,\n")  # only the first instance is preempted
+    trace.write_text("notice_after_s,kill_after_s\n40,190\n,\n,\n")  # only the first instance is preempted
+    # 150 simulated seconds (15 s here) between notice and kill: ample for a graceful leave on a busy machine
     config = cluster(tmp_path, provider={"trace_file": str(trace)})
     RunStore.create(config).close()
     run_dir = config.run_dir()
@@ -87,11 +88,12 @@ def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp
                                        first)
     tick = core.tick_s * config.provider.time_scale
     assert notice - launched == pytest.approx(40.0, abs=1e-6)  # the trace replays exactly
-    assert 70.0 <= ended - launched <= 70.0 + 2 * tick
+    assert 190.0 <= ended - launched <= 190.0 + 2 * tick
     kinds = [k for _, k, i, _ in query(run_dir, "SELECT * FROM events WHERE instance_id = ? ORDER BY time", first)]
     assert kinds.index("notice") < kinds.index("left") < kinds.index("preempted")  # left gracefully first
     replacement_launch = query(run_dir, "SELECT launched_at FROM instances WHERE id LIKE '%-0002'")[0][0]
-    assert replacement_launch - ended <= config.provider.provisioning_delay_s + 4 * tick
+    # prompt: the provisioning delay plus a few supervisor ticks (each may wait on Ray when the machine is busy)
+    assert replacement_launch - ended <= config.provider.provisioning_delay_s + 15 * tick
     assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted'") == [(1,)]
 
 
