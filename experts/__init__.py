@@ -1,2 +1,31 @@
 """experts: decentralized mixture-of-experts — expert servers, remote experts with autograd, and a
 DMoE layer that finds its experts through the DHT and keeps working when some of them vanish."""
+
+from .backend import ExpertBackend
+from .beam_search import FoundExpert, find_best_experts
+from .checkpoints import load_experts, save_experts
+from .client import ExpertClient, default_client
+from .declare import declare_experts, get_experts, withdraw_experts
+from .errors import (
+    ExpertCallFailed,
+    ExpertError,
+    ExpertRequestTooLarge,
+    ExpertSchemaError,
+    NotEnoughExperts,
+    UnknownExpert,
+)
+from .grid import expand_pattern, make_uid, parse_uid
+from .layers import FeedforwardBlock, NopExpert, TransformerBlock, create_expert, expert_kinds, register_expert_class
+from .moe import MixtureCallReport, RemoteMixtureOfExperts
+from .remote import ExpertInfo, RemoteExpert
+from .schema import TensorSchema
+from .server import BackgroundExpertServer, ExpertServer
+
+__all__ = [
+    "BackgroundExpertServer", "ExpertBackend", "ExpertCallFailed", "ExpertClient", "ExpertError", "ExpertInfo",
+    "ExpertRequestTooLarge", "ExpertSchemaError", "ExpertServer", "FeedforwardBlock", "FoundExpert",
+    "MixtureCallReport", "NopExpert", "NotEnoughExperts", "RemoteExpert", "RemoteMixtureOfExperts", "TensorSchema",
+    "TransformerBlock", "UnknownExpert", "create_expert", "declare_experts", "default_client", "expand_pattern",
+    "expert_kinds", "find_best_experts", "get_experts", "load_experts", "make_uid", "parse_uid",
+    "register_expert_class", "save_experts", "withdraw_experts",
+]

@@ -60,6 +60,12 @@ def _dht(args: argparse.Namespace) -> int:
     return run_dht_peer(host=args.host, port=args.port, initial_peers=args.initial_peers, identity_path=args.identity)
 
 
+def _expert_server(args: argparse.Namespace) -> int:
+    from .expert_server_cli import run_expert_server
+
+    return run_expert_server(args)
+
+
 def _worker(args: argparse.Namespace) -> int:
     from .worker_cli import run_worker
 
@@ -102,6 +108,34 @@ def build_parser() -> argparse.ArgumentParser:
                      help="peers to join through, as host:port or peerid@host:port")
     dht.add_argument("--identity", metavar="PATH", help="private key file; created if missing, keeps the peer id")
     dht.set_defaults(func=_dht)
+    es = sub.add_parser("expert-server", help="host experts for decentralized mixture-of-experts layers",
+                        description="Settings come from --config (YAML, keys as the flags with underscores); "
+                                    "flags override it.")
+    es.add_argument("--config", metavar="YAML", help="settings file")
+    es.add_argument("--expert-cls", help="expert kind: ffn, transformer, nop, or one from --custom-module")
+    es.add_argument("--hidden-dim", type=int, help="hidden size of each expert (default 1024)")
+    es.add_argument("--expert-uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.0 ffn.0.1")
+    es.add_argument("--expert-pattern", help="host every uid of a grid, e.g. 'ffn.[0:4].[0:4]'")
+    es.add_argument("--custom-module", metavar="PATH", help="a .py file that registers expert kinds")
+    es.add_argument("--optimizer", choices=["adam", "sgd", "none"], help="each expert's optimizer (default adam)")
+    es.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
+    es.add_argument("--optimizer-update-period", type=int, help="backward batches per optimizer step (default 1)")
+    es.add_argument("--max-batch-size", type=int, help="rows per batch and per request (default 4096)")
+    es.add_argument("--batch-timeout", type=float, help="seconds a batch may wait to fill up (default 0)")
+    es.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    es.add_argument("--port", type=int, help="port to listen on (default: any free port)")
+    es.add_argument("--announce-host", help="host to declare in the DHT, if not the listening one")
+    es.add_argument("--initial-peers", nargs="*", metavar="ADDR", help="DHT peers to join (none: start a new DHT)")
+    es.add_argument("--no-dht", action="store_true", default=None, help="do not declare experts in a DHT")
+    es.add_argument("--identity", metavar="PATH", help="private key file; created if missing, keeps the peer id")
+    es.add_argument("--update-period", type=float, help="seconds between DHT declarations (default 30)")
+    es.add_argument("--expiration", type=float, help="lifetime of a declaration (default 2x update period)")
+    es.add_argument("--checkpoint-dir", metavar="DIR", help="load checkpoints from and save them to DIR")
+    es.add_argument("--checkpoint-period", type=float, help="seconds between checkpoint saves")
+    es.add_argument("--max-message-mib", type=int, help="refuse larger requests (MiB)")
+    es.add_argument("--seed", type=int, help="seed for the experts' initial weights")
+    es.add_argument("--num-threads", type=int, help="torch threads for the experts' work")
+    es.set_defaults(func=_expert_server)
     wk = sub.add_parser("worker", help="run one training peer",
                         description="Settings come from --config (YAML, keys as in workers.peer.WorkerConfig); "
                                     "flags override it. SIGTERM leaves gracefully.")

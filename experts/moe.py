@@ -1,0 +1,290 @@
+"""RemoteMixtureOfExperts: a layer whose experts live on other machines and may vanish at any time.
+
+A linear gate scores every coordinate of the expert grid; an expert's score is the sum of its
+coordinates' scores.  For each input row, beam search over the DHT finds the ``k_best`` live
+experts; each chosen expert gets one call with all the rows that chose it, all calls in parallel.
+The layer waits until every row has ``k_min`` answers (or cannot get them), then up to
+``timeout_after_k_min`` for the rest, and mixes the answers with a softmax over the answering
+experts' scores only.  Backward goes only to experts that answered; each row needs
+``backward_k_min`` of them.  A dead expert costs a little quality, never a stopped training run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from dht import DHT
+
+from .beam_search import FoundExpert, find_best_experts
+from .client import ExpertClient
+from .compression import codec_dtype
+from .errors import ExpertCallFailed, ExpertSchemaError, NotEnoughExperts
+from .grid import normalize_prefix
+from .remote import DUMMY, call_backward, call_forward, call_info
+from .schema import TensorSchema
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (uid, address)
+
+
+@dataclass
+class MixtureCallReport:
+    """What the last forward (and backward) of a mixture did: for monitoring and tests."""
+
+    chosen: list[list[str]]
+    answered: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
+    forward_seconds: float = 0.0
+    backward_answered: set[str] = field(default_factory=set)
+    backward_failed: dict[str, str] = field(default_factory=dict)
+
+
+class RemoteMixtureOfExperts(nn.Module):
+    """Mixture of the ``k_best`` live experts under ``uid_prefix`` on a grid of ``grid_size``.
+
+    Input ``[..., in_features]``; experts take ``[in_features]`` rows and return one tensor per row.
+    ``forward_timeout`` / ``backward_timeout`` bound a whole pass (None: each call's own default of
+    30 s); ``timeout_after_k_min`` None waits for every chosen expert.  If a row gets fewer than
+    ``k_min`` answers, forward raises ``NotEnoughExperts`` -- or, with ``allow_zero_outputs``, that
+    row's output is zero.  ``dht`` finds the experts; calls go through ``client`` (default: the
+    DHT's own endpoint).
+    """
+
+    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int, k_min: int = 1,
+                 forward_timeout: float | None = None, timeout_after_k_min: float | None = None,
+                 backward_k_min: int = 1, backward_timeout: float | None = None, *, dht: DHT,
+                 client: ExpertClient | None = None, beam_size: int | None = None,
+                 allow_zero_outputs: bool = False, compression: str = "none") -> None:
+        super().__init__()
+        if not grid_size or any(int(n) < 1 for n in grid_size):
+            raise ValueError(f"grid_size must be positive integers, got {grid_size!r}")
+        if not 0 <= k_min <= k_best or not 0 <= backward_k_min <= k_best:
+            raise ValueError("need 0 <= k_min <= k_best and 0 <= backward_k_min <= k_best")
+        codec_dtype(compression)
+        self.in_features = in_features
+        self.grid_size = tuple(int(n) for n in grid_size)
+        self.uid_prefix = normalize_prefix(uid_prefix)
+        self.k_best, self.k_min, self.backward_k_min = k_best, k_min, backward_k_min
+        self.forward_timeout, self.backward_timeout = forward_timeout, backward_timeout
+        self.timeout_after_k_min = timeout_after_k_min
+        self.beam_size = beam_size or k_best
+        self.allow_zero_outputs = allow_zero_outputs
+        self.compression = compression
+        self.dht = dht
+        self.client = client or ExpertClient.from_dht(dht)
+        self.proj = nn.Linear(in_features, sum(self.grid_size))
+        self.output_schema: TensorSchema | None = None
+        self.last_call: MixtureCallReport | None = None
+
+    def find_experts(self, grid_scores: Sequence[np.ndarray]) -> list[list[FoundExpert]]:
+        """Beam search for every row (blocking; runs on the DHT's loop)."""
+        return self.dht.run_coroutine(
+            lambda node: find_best_experts(node, self.uid_prefix, grid_scores, self.k_best, self.beam_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        grid_scores = self.proj(flat).split(self.grid_size, dim=1)
+        chosen = self.find_experts([s.detach().float().cpu().numpy() for s in grid_scores])
+        rows, k = flat.shape[0], max((len(c) for c in chosen), default=0)
+        self.last_call = MixtureCallReport([[e.uid for e in c] for c in chosen])
+
+        pad = (0,) * len(self.grid_size)
+        idx = torch.tensor([[e.coords for e in experts] + [pad] * (max(k, 1) - len(experts)) for experts in chosen],
+                           dtype=torch.long).reshape(rows, max(k, 1), len(self.grid_size))
+        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, flat, self, chosen)
+        gate = sum(s.gather(1, idx[:, :, d].to(s.device)) for d, s in enumerate(grid_scores))
+        any_answer = answered.any(dim=1, keepdim=True)
+        gate = torch.where(any_answer, gate.masked_fill(~answered, float("-inf")), torch.zeros_like(gate))
+        weights = torch.softmax(gate, dim=1) * answered
+        weights = weights.to(expert_out.dtype).reshape(*weights.shape, *([1] * (expert_out.dim() - 2)))
+        out = (weights * expert_out).sum(dim=1)
+        return out.reshape(*lead, *out.shape[1:])
+
+    # ---- calls (on the client's loop) ----------------------------------------------------------
+    async def _call_all(self, calls: dict[Key, Coroutine], rows_of: dict[Key, list[int]], num_rows: int,
+                        k_min: int, timeout: float | None) -> tuple[dict[Key, Any], dict[Key, BaseException]]:
+        """Run every call; stop once each row has ``k_min`` answers (or cannot get them) plus
+        ``timeout_after_k_min``, or at ``timeout``.  Calls still running are cancelled."""
+        loop = asyncio.get_running_loop()
+        tasks = {asyncio.ensure_future(coro): key for key, coro in calls.items()}
+        got = np.zeros(num_rows, dtype=np.int64)
+        waiting = np.zeros(num_rows, dtype=np.int64)
+        for key in tasks.values():
+            waiting[rows_of[key]] += 1
+        deadline = math.inf if timeout is None else loop.time() + timeout
+        settled_at: float | None = None
+        results: dict[Key, Any] = {}
+        failures: dict[Key, BaseException] = {}
+        pending = set(tasks)
+        schema_error: ExpertSchemaError | None = None
+
+        def settled() -> bool:
+            return bool(np.all((got >= k_min) | (got + waiting < k_min)))
+
+        if settled():
+            settled_at = loop.time()
+        try:
+            while pending and schema_error is None:
+                limit = deadline
+                if settled_at is not None and self.timeout_after_k_min is not None:
+                    limit = min(limit, settled_at + self.timeout_after_k_min)
+                wait = None if limit == math.inf else max(limit - loop.time(), 0.0)
+                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break
+                for task in done:
+                    key = tasks[task]
+                    waiting[rows_of[key]] -= 1
+                    exc = task.exception()
+                    if exc is None:
+                        results[key] = task.result()
+                        got[rows_of[key]] += 1
+                    elif isinstance(exc, ExpertSchemaError):
+                        schema_error = exc  # the caller's mistake, not a dead expert: say so at once
+                    else:
+                        failures[key] = exc
+                if settled_at is None and settled():
+                    settled_at = loop.time()
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        if schema_error is not None:
+            raise schema_error
+        for task in pending:
+            failures[tasks[task]] = ExpertCallFailed("did not answer in time")
+        return results, failures
+
+    async def _forward_calls(self, x: torch.Tensor, groups: dict[Key, tuple[list[int], list[int]]]):
+        p2p = self.client.p2p
+        timeout = self.forward_timeout
+        calls = {key: call_forward(p2p, key[1], key[0], [x[rows]], timeout, self.compression)
+                 for key, (rows, _) in groups.items()}
+        return await self._call_all(calls, {key: g[0] for key, g in groups.items()}, x.shape[0], self.k_min, timeout)
+
+    async def _backward_calls(self, x: torch.Tensor, grads: dict[Key, torch.Tensor],
+                              groups: dict[Key, tuple[list[int], list[int]]]):
+        p2p = self.client.p2p
+        timeout = self.backward_timeout
+        calls = {key: call_backward(p2p, key[1], key[0], [x[groups[key][0]]], [g], timeout, self.compression)
+                 for key, g in grads.items()}
+        return await self._call_all(calls, {key: groups[key][0] for key in grads}, x.shape[0],
+                                    self.backward_k_min, timeout)
+
+    async def _fetch_output_schema(self, keys: Sequence[Key]) -> TensorSchema | None:
+        for uid, address in keys:
+            try:
+                info = await call_info(self.client.p2p, address, uid, self.forward_timeout or 5.0)
+            except ExpertCallFailed:
+                continue
+            return info.outputs_schema[0]
+        return None
+
+
+def _short(failures: dict[Key, BaseException], limit: int = 4) -> str:
+    items = [f"{uid}: {e}" for (uid, _), e in list(failures.items())[:limit]]
+    more = f"; and {len(failures) - limit} more" if len(failures) > limit else ""
+    return "; ".join(items) + more
+
+
+class _RemoteMixtureCall(torch.autograd.Function):
+    """Calls every chosen expert; returns their outputs ``[rows, k, ...]`` and which ones answered."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, x: torch.Tensor, layer: RemoteMixtureOfExperts,
+                chosen: list[list[FoundExpert]]) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.monotonic()
+        rows, k = x.shape[0], max((len(c) for c in chosen), default=0)
+        groups: dict[Key, tuple[list[int], list[int]]] = {}
+        for r, experts in enumerate(chosen):
+            for j, e in enumerate(experts):
+                g = groups.setdefault((e.uid, e.address), ([], []))
+                g[0].append(r)
+                g[1].append(j)
+        x = x.detach()
+        results, failures = layer.client.run(layer._forward_calls(x, groups))
+        report = layer.last_call
+        if report is not None:
+            report.answered = {uid for uid, _ in results}
+            report.failed = {uid: f"{type(e).__name__}: {e}" for (uid, _), e in failures.items()}
+
+        schema = layer.output_schema
+        for key, outputs in results.items():
+            if len(outputs) != 1:
+                raise ExpertCallFailed(f"expert {key[0]!r} returns {len(outputs)} tensors; a mixture needs one")
+            schema = TensorSchema(tuple(outputs[0].shape[1:]), outputs[0].dtype)
+            break
+        if schema is None and groups:
+            schema = layer.client.run(layer._fetch_output_schema(list(groups)))
+        answered = torch.zeros(rows, max(k, 1), dtype=torch.bool)
+        counts = np.zeros(rows, dtype=np.int64)
+        if schema is None:
+            raise NotEnoughExperts(f"no expert under {layer.uid_prefix!r} answered for any of {rows} rows "
+                                   f"({len(groups)} chosen), so not even zeros can be returned; {_short(failures)}")
+        layer.output_schema = schema
+        out = torch.zeros((rows, max(k, 1), *schema.shape), dtype=schema.dtype)
+        for key, (outputs,) in results.items():
+            r_idx, s_idx = groups[key]
+            out[r_idx, s_idx] = outputs
+            answered[r_idx, s_idx] = True
+            counts[r_idx] += 1
+        short = np.flatnonzero(counts < layer.k_min)
+        if len(short) and not layer.allow_zero_outputs:
+            raise NotEnoughExperts(
+                f"{len(short)} of {rows} rows got fewer than k_min={layer.k_min} expert answers "
+                f"(row {short[0]}: {counts[short[0]]} of {len(chosen[short[0]])} chosen); {_short(failures)}")
+        if len(short):
+            answered[short] = False
+            out[short] = 0
+        if report is not None:
+            report.forward_seconds = time.monotonic() - started
+        ctx.layer = layer
+        ctx.groups = {key: groups[key] for key in results}
+        ctx.save_for_backward(x)
+        ctx.mark_non_differentiable(answered)
+        return out, answered
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_answered: torch.Tensor) -> tuple:
+        layer: RemoteMixtureOfExperts = ctx.layer
+        (x,) = ctx.saved_tensors
+        groups = ctx.groups
+        grads = {key: grad_out[r_idx, s_idx] for key, (r_idx, s_idx) in groups.items()}
+        results, failures = layer.client.run(layer._backward_calls(x, grads, groups))
+        report = layer.last_call
+        if report is not None:
+            report.backward_answered = {uid for uid, _ in results}
+            report.backward_failed = {uid: f"{type(e).__name__}: {e}" for (uid, _), e in failures.items()}
+        counts = np.zeros(x.shape[0], dtype=np.int64)
+        grad_x = torch.zeros_like(x)
+        for key, grad_inputs in results.items():
+            rows = groups[key][0]
+            counts[rows] += 1
+            if grad_inputs and grad_inputs[0] is not None:
+                grad_x.index_add_(0, torch.tensor(rows, dtype=torch.long), grad_inputs[0].to(x.dtype))
+        needs = np.zeros(x.shape[0], dtype=bool)
+        for rows, _ in groups.values():
+            needs[rows] = True  # rows that had an answer in forward; the others have nothing to send
+        short = np.flatnonzero(needs & (counts < layer.backward_k_min))
+        if len(short) and not layer.allow_zero_outputs:
+            raise NotEnoughExperts(
+                f"{len(short)} of {x.shape[0]} rows got fewer than backward_k_min={layer.backward_k_min} "
+                f"backward answers; {_short(failures)}")
+        return None, (grad_x if ctx.needs_input_grad[1] else None), None, None

@@ -1,0 +1,288 @@
+"""ExpertServer: hosts experts on one P2P endpoint, batches their calls, trains them, declares them.
+
+RPCs (unary): ``expert.forward`` ``{"uid", "inputs": [tensors], "c"?}`` -> ``{"outputs": [...]}``;
+``expert.backward`` ``{"uid", "inputs", "grad_outputs", "c"?}`` -> ``{"grad_inputs": [...]}``;
+``expert.info`` ``{"uid"}`` -> schemas and limits.  Requests are checked (uid, schema, rows) on the
+event loop before they are queued, so a bad request is refused on its own and the server keeps
+serving; the torch work runs on the runtime thread.  With ``initial_peers`` (``[]`` starts a new
+DHT) the same endpoint is a DHT peer that declares every expert and re-declares before expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dht import DHTNode
+from p2p import P2P, CallContext, Identity, Limits, PeerAddress
+from p2p.loop_thread import LoopThread
+
+from .backend import ExpertBackend
+from .batching import BatchScheduler, TaskPool
+from .checkpoints import load_experts, save_experts
+from .compression import codec_dtype, compress, restore
+from .declare import declare_experts, withdraw_experts
+from .errors import ExpertRequestTooLarge, UnknownExpert
+from .runtime import Runtime
+from .schema import dtype_name
+
+logger = logging.getLogger(__name__)
+
+FORWARD, BACKWARD, INFO = "expert.forward", "expert.backward", "expert.info"
+
+
+class ExpertServer:
+    """Create with ``await ExpertServer.create(experts, ...)``; stop with ``await shutdown()``."""
+
+    def __init__(self, p2p: P2P, backends: Mapping[str, ExpertBackend], dht: DHTNode | None, *,
+                 batch_timeout: float, update_period: float, expiration: float,
+                 checkpoint_dir: Path | None, checkpoint_period: float | None, announce_host: str | None) -> None:
+        self.p2p = p2p
+        self.backends = dict(backends)
+        self.dht = dht
+        self.update_period = update_period
+        self.expiration = expiration
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_period = checkpoint_period
+        self.runtime = Runtime()
+        self.scheduler = BatchScheduler(self.runtime, batch_timeout)
+        self._forward_pools: dict[str, TaskPool] = {}
+        self._backward_pools: dict[str, TaskPool] = {}
+        for uid, b in self.backends.items():
+            self._forward_pools[uid] = self.scheduler.add_pool(TaskPool(f"{uid}/forward", b.forward, b.max_batch_size))
+            self._backward_pools[uid] = self.scheduler.add_pool(
+                TaskPool(f"{uid}/backward", _backward_fn(b), b.max_batch_size))
+        assert p2p.address is not None
+        addr = p2p.address if announce_host is None else PeerAddress(announce_host, p2p.address.port, p2p.peer_id)
+        self.address = str(addr)
+        self.declared_until: float | None = None
+        self._background: list[asyncio.Task] = []
+        self._closed = False
+
+    @classmethod
+    async def create(cls, experts: Mapping[str, ExpertBackend] | Sequence[ExpertBackend], *,
+                     host: str = "127.0.0.1", port: int = 0, initial_peers: Sequence[str] | None = None,
+                     identity: Identity | None = None, limits: Limits | None = None, batch_timeout: float = 0.0,
+                     update_period: float = 30.0, expiration: float | None = None,
+                     checkpoint_dir: str | Path | None = None, checkpoint_period: float | None = None,
+                     announce_host: str | None = None, dht_options: dict | None = None,
+                     p2p_options: dict | None = None) -> ExpertServer:
+        """Listen on ``host:port``, load checkpoints, and (with ``initial_peers``) declare the experts
+        in the DHT before returning, so callers can find them at once."""
+        backends = dict(experts) if isinstance(experts, Mapping) else {b.uid: b for b in experts}
+        if not isinstance(experts, Mapping) and len(backends) != len(experts):
+            raise ValueError("two experts have the same uid")
+        for uid, b in backends.items():
+            if uid != b.uid:
+                raise ValueError(f"expert {b.uid!r} is listed under uid {uid!r}")
+        expiration = expiration if expiration is not None else 2 * update_period
+        if expiration <= update_period:
+            raise ValueError(f"expiration ({expiration}) must be longer than update_period ({update_period})")
+        p2p = await P2P.create(host, port, identity=identity, limits=limits, **(p2p_options or {}))
+        dht = None
+        server = None
+        try:
+            if initial_peers is not None:
+                dht = await DHTNode.create(initial_peers, p2p=p2p, **(dht_options or {}))
+            server = cls(p2p, backends, dht, batch_timeout=batch_timeout, update_period=update_period,
+                         expiration=expiration, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                         checkpoint_period=checkpoint_period, announce_host=announce_host)
+            await server._start()
+        except BaseException:
+            if server is not None:
+                await server.shutdown()
+            else:
+                if dht is not None:
+                    await dht.shutdown()
+                await p2p.shutdown()
+            raise
+        return server
+
+    async def _start(self) -> None:
+        if self.checkpoint_dir is not None:
+            await self.runtime.run(load_experts, self.backends, self.checkpoint_dir)
+        self.p2p.register(FORWARD, self.rpc_forward)
+        self.p2p.register(BACKWARD, self.rpc_backward)
+        self.p2p.register(INFO, self.rpc_info)
+        self.scheduler.start()
+        loop = asyncio.get_running_loop()
+        if self.dht is not None and self.backends:
+            await self.declare()
+            self._background.append(loop.create_task(self._declare_loop(), name="expert-declare"))
+        if self.checkpoint_dir is not None and self.checkpoint_period:
+            self._background.append(loop.create_task(self._checkpoint_loop(), name="expert-checkpoints"))
+        logger.info("expert server at %s hosts %d experts", self.address, len(self.backends))
+
+    # ---- RPC handlers (overridable, e.g. to inject latency) ------------------------------------
+    def _backend(self, request: Any) -> ExpertBackend:
+        if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
+            raise ValueError("an expert request must be a dict with a string 'uid'")
+        backend = self.backends.get(request["uid"])
+        if backend is None:
+            hosted = ", ".join(sorted(self.backends)[:8]) + (", ..." if len(self.backends) > 8 else "")
+            raise UnknownExpert(f"this server hosts no expert {request['uid']!r} (it hosts: {hosted})")
+        return backend
+
+    @staticmethod
+    def _codec(request: dict) -> str | None:
+        codec = request.get("c")
+        codec_dtype(codec)
+        return None if codec == "none" else codec
+
+    def _limit(self, backend: ExpertBackend, rows: int) -> None:
+        if rows > backend.max_batch_size:
+            raise ExpertRequestTooLarge(f"expert {backend.uid!r} accepts at most {backend.max_batch_size} rows "
+                                        f"per request, got {rows}")
+
+    async def rpc_forward(self, request: Any, ctx: CallContext) -> dict:
+        backend = self._backend(request)
+        codec = self._codec(request)
+        inputs = request.get("inputs")
+        if codec is not None and isinstance(inputs, list):
+            inputs = restore(inputs, [s.dtype for s in backend.args_schema])
+        rows = backend.check_inputs(inputs)
+        self._limit(backend, rows)
+        outputs = await self.scheduler.submit(self._forward_pools[backend.uid], inputs, rows)
+        if codec is None:
+            return {"outputs": outputs}
+        return {"outputs": compress(outputs, codec), "dt": [dtype_name(o.dtype) for o in outputs]}
+
+    async def rpc_backward(self, request: Any, ctx: CallContext) -> dict:
+        backend = self._backend(request)
+        codec = self._codec(request)
+        inputs, grads = request.get("inputs"), request.get("grad_outputs")
+        if codec is not None and isinstance(inputs, list) and isinstance(grads, list):
+            inputs = restore(inputs, [s.dtype for s in backend.args_schema])
+            grads = restore(grads, [s.dtype for s in backend.outputs_schema])
+        rows = backend.check_inputs(inputs)
+        backend.check_grad_outputs(grads, rows)
+        self._limit(backend, rows)
+        grad_inputs = await self.scheduler.submit(self._backward_pools[backend.uid], [*inputs, *grads], rows)
+        if codec is None:
+            return {"grad_inputs": grad_inputs}
+        return {"grad_inputs": compress(grad_inputs, codec),
+                "dt": [None if g is None else dtype_name(g.dtype) for g in grad_inputs]}
+
+    async def rpc_info(self, request: Any, ctx: CallContext) -> dict:
+        return self._backend(request).info()
+
+    # ---- DHT declarations ----------------------------------------------------------------------
+    async def declare(self) -> bool:
+        """Declare every expert (and its prefixes) now, valid for ``expiration`` seconds."""
+        assert self.dht is not None
+        until = time.time() + self.expiration
+        ok = await declare_experts(self.dht, list(self.backends), self.address, until)
+        self.declared_until = until
+        if not ok:
+            logger.warning("some expert declarations were not accepted by any DHT replica")
+        return ok
+
+    async def _declare_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.update_period)
+            try:
+                await self.declare()
+            except Exception as e:  # a DHT hiccup must not stop the server; the next period retries
+                logger.warning("declaring experts failed: %r", e)
+
+    async def _checkpoint_loop(self) -> None:
+        assert self.checkpoint_period
+        while True:
+            await asyncio.sleep(self.checkpoint_period)
+            try:
+                await self.save_checkpoints()
+            except Exception as e:
+                logger.warning("saving expert checkpoints failed: %r", e)
+
+    async def save_checkpoints(self) -> None:
+        if self.checkpoint_dir is not None:
+            await self.runtime.run(save_experts, self.backends, self.checkpoint_dir)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    async def shutdown(self, withdraw_timeout: float = 5.0) -> None:
+        """Withdraw the experts from the DHT, stop serving, save checkpoints, close the endpoint."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.dht is not None and self.declared_until is not None:
+            try:  # just newer than our last declaration, so any later declaration (a restart) wins
+                until = max(self.declared_until, time.time()) + 1e-3
+                await asyncio.wait_for(withdraw_experts(self.dht, list(self.backends), until), withdraw_timeout)
+            except Exception as e:
+                logger.warning("withdrawing experts from the DHT failed: %r", e)
+        for method in (FORWARD, BACKWARD, INFO):
+            self.p2p.unregister(method)
+        if self.dht is not None:
+            await self.dht.shutdown()
+        await self.p2p.shutdown()
+        await self.scheduler.stop()
+        try:
+            await self.save_checkpoints()
+        except Exception as e:
+            logger.warning("saving expert checkpoints at shutdown failed: %r", e)
+        await asyncio.get_running_loop().run_in_executor(None, self.runtime.shutdown)
+
+    @property
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {uid: {"forward_batches": self._forward_pools[uid].batches,
+                      "backward_batches": self._backward_pools[uid].batches,
+                      "busy_seconds": self._forward_pools[uid].busy_seconds
+                      + self._backward_pools[uid].busy_seconds,
+                      "samples_forward": b.samples_forward, "samples_backward": b.samples_backward,
+                      "optimizer_steps": b.optimizer_steps} for uid, b in self.backends.items()}
+
+
+def _backward_fn(backend: ExpertBackend):
+    n = len(backend.args_schema)
+
+    def run(tensors: list) -> list:
+        return backend.backward(tensors[:n], tensors[n:])
+    return run
+
+
+class BackgroundExpertServer:
+    """An ExpertServer on its own event-loop thread, for code that is not async (scripts, tests)."""
+
+    def __init__(self, experts: Mapping[str, ExpertBackend] | Sequence[ExpertBackend],
+                 startup_timeout: float = 60.0, **options: Any) -> None:
+        self._thread = LoopThread(name="spotswarm-experts")
+        try:
+            self.server: ExpertServer = self._thread.run(ExpertServer.create(experts, **options), startup_timeout)
+        except BaseException:
+            self._thread.stop()
+            raise
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def backends(self) -> dict[str, ExpertBackend]:
+        return self.server.backends
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the server's loop (e.g. ``server.declare()``)."""
+        return self._thread.run(coro, timeout)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._thread.run(self.server.shutdown(), timeout=60)
+        finally:
+            self._thread.stop()
+
+    def __enter__(self) -> BackgroundExpertServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
