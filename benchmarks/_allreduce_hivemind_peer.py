@@ -20,6 +20,7 @@ import zlib
 
 import numpy as np
 import torch
+from _procs import descendants
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
@@ -39,21 +40,6 @@ def describe(tensor: torch.Tensor, idx: np.ndarray) -> dict:
     arr = tensor.numpy()
     return {"samples": arr[idx].astype(np.float64).tolist(), "sum": float(arr.sum(dtype=np.float64)),
             "crc": zlib.crc32(memoryview(arr).cast("B"))}
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-                out.extend(kids)
-                todo.extend(kids)
-        except OSError:
-            pass
-    return out
 
 
 def hwm_kb(pid: int) -> int:
