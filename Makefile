@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 BENCH_VENV := .bench-venv
+# The dashboard's browser test drives Debian's Chromium; it is installed from apt, never downloaded.
+CHROMIUM := /usr/bin/chromium
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test bench bench-quick lint install bench-env clean
 
@@ -17,8 +20,12 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/spotswarm demo --duration 150
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq || true  # stale lists may still hold chromium
+	$(SUDO) apt-get install -y -qq --no-install-recommends chromium
 
 BENCHMARKS = $(wildcard benchmarks/bench_*.py) benchmarks/moshpit_convergence.py
 

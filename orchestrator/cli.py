@@ -42,6 +42,18 @@ def _status(args: argparse.Namespace) -> int:
     return status(args.run, _console())
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from .cluster import dashboard
+
+    return dashboard(args.run, args.host, args.port, args.open, _console())
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .cluster import report
+
+    return report(args.run, args.out, _console())
+
+
 def _down(args: argparse.Namespace) -> int:
     from .cluster import down
 
@@ -92,9 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("run", help="run directory, e.g. runs/local-demo")
     res.add_argument("--duration", type=float, help="stop after this many seconds")
     res.set_defaults(func=_resume)
-    st = sub.add_parser("status", help="headline figures of a run")
+    st = sub.add_parser("status", help="headline figures of a run: throughput, instances, cost, savings")
     st.add_argument("run", help="run directory")
     st.set_defaults(func=_status)
+    db = sub.add_parser("dashboard", help="serve a run's cost and throughput dashboard (live or finished)")
+    db.add_argument("run", help="run directory")
+    db.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    db.add_argument("--port", type=int, default=8265, help="port to listen on (default 8265; 0: any free port)")
+    db.add_argument("--open", action="store_true", help="open it in the default browser")
+    db.set_defaults(func=_dashboard)
+    rp = sub.add_parser("report", help="write a static HTML report with PNG plots of a run")
+    rp.add_argument("run", help="run directory")
+    rp.add_argument("--out", metavar="DIR", help="where to write it (default <run>/report)")
+    rp.set_defaults(func=_report)
     dn = sub.add_parser("down", help="stop a running run: release every instance, keep its data")
     dn.add_argument("run", help="run directory")
     dn.set_defaults(func=_down)

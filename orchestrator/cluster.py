@@ -13,16 +13,15 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from . import figures
 from .config import ClusterConfig, load_cluster_config
-from .run_store import RunStore, summarize_costs
-
-PID_FILE = "up.pid"
+from .figures import PID_FILE
+from .run_store import RunStore
 
 
 def _start_ray(num_cpus: int = 2) -> None:
@@ -72,6 +71,9 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
         address = ray.get(supervisor.address.remote(), timeout=120)
         console.print(f"run directory: {run_dir}")
         console.print(f"bootstrap peer: {address}")
+        dashboard_url = ray.get(supervisor.dashboard.remote(), timeout=60)
+        if dashboard_url:
+            console.print(f"dashboard: {dashboard_url}")
         started = time.monotonic()
         status = ray.get(supervisor.status.remote(), timeout=60)
         with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
@@ -95,41 +97,23 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
         (run_dir / PID_FILE).unlink(missing_ok=True)
 
 
-def summary(run_dir: Path) -> dict:
+def headline(run_dir: Path) -> figures.Headline:
+    """The run's headline figures, live or finished (the same ones the dashboard shows)."""
     store = RunStore.open(run_dir)
     try:
-        config = store.config()
-        costs = summarize_costs(store)
-        rows = store.progress_rows()
-        return {
-            "epochs": store.latest_epoch(),
-            "samples": costs.samples,
-            "loss": rows[-1][2] if rows else None,
-            "preemptions": costs.preemptions,
-            "instances": len(store.instances()),
-            "dollars": costs.dollars,
-            "on_demand_dollars": costs.on_demand_dollars,
-            "dollars_per_million_samples": costs.dollars_per_million_samples,
-            "cluster": config.cluster_name,
-        }
+        live = figures.is_live(run_dir)
+        return figures.headline(store, figures.run_now(store, live), live)
     finally:
         store.close()
 
 
 def print_summary(run_dir: Path, console: Console) -> None:
-    s = summary(run_dir)
-    table = Table(title=f"run {s['cluster']}: summary")
+    h = headline(run_dir)
+    table = Table(title=f"run {h.cluster}: summary")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    table.add_row("samples trained", f"{s['samples']:,}")
-    table.add_row("global epochs", str(s["epochs"]))
-    table.add_row("final loss", f"{s['loss']:.4f}" if s["loss"] is not None else "-")
-    table.add_row("instances used", str(s["instances"]))
-    table.add_row("preemptions survived", str(s["preemptions"]))
-    table.add_row("dollars spent", f"${s['dollars']:.4f}")
-    table.add_row("same hours on demand", f"${s['on_demand_dollars']:.4f}")
-    if s["on_demand_dollars"]:
-        table.add_row("saved", f"{100 * (1 - s['dollars'] / s['on_demand_dollars']):.0f}%")
+    for label, value in figures.headline_rows(h):
+        table.add_row(label, value)
     console.print(table)
 
 
@@ -157,11 +141,35 @@ def resume(run_dir: str, duration: float | None, console: Console) -> int:
 
 
 def status(run_dir: str, console: Console) -> int:
-    path = Path(run_dir)
-    s = summary(path)
-    live = (path / PID_FILE).exists()
-    console.print(f"run {s['cluster']} ({'running' if live else 'stopped'})")
-    print_summary(path, console)
+    print_summary(Path(run_dir), console)
+    return 0
+
+
+def dashboard(run_dir: str, host: str, port: int, open_browser: bool, console: Console) -> int:
+    """Serve the run's dashboard in the foreground until Ctrl-C (or SIGTERM)."""
+    from .dashboard import DashboardServer
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with DashboardServer(Path(run_dir), host, port) as server:
+            console.print(f"dashboard: {server.url}  (run {run_dir}; Ctrl-C stops it)", soft_wrap=True)
+            if open_browser:
+                import webbrowser
+
+                webbrowser.open(server.url)
+            stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def report(run_dir: str, out: str | None, console: Console) -> int:
+    from .report import write_report
+
+    written = write_report(Path(run_dir), Path(out) if out else None)
+    console.print(f"report: {written.index} ({len(written.plots)} plots)")
     return 0
 
 
@@ -189,9 +197,8 @@ def runs(base: str, console: Console) -> int:
     for col in ("run", "state", "epochs", "samples", "preemptions", "dollars"):
         table.add_column(col)
     for d in sorted(Path(base).glob("*/run.sqlite")):
-        s: dict[str, Any] = summary(d.parent)
-        state = "running" if (d.parent / PID_FILE).exists() else "stopped"
-        table.add_row(d.parent.name, state, str(s["epochs"]), f"{s['samples']:,}", str(s["preemptions"]),
-                      f"${s['dollars']:.4f}")
+        h = headline(d.parent)
+        table.add_row(d.parent.name, "running" if h.live else "stopped", str(h.epoch), f"{h.samples:,}",
+                      str(h.preemptions), f"${h.dollars:.4f}")
     console.print(table)
     return 0

@@ -128,6 +128,23 @@ class RunStore:
     def progress_rows(self) -> list[tuple]:
         return self.db.execute("SELECT * FROM progress ORDER BY time").fetchall()
 
+    def last_time(self) -> float | None:
+        """The newest moment the store heard about: an event, a progress row or an instance change."""
+        row = self.db.execute(
+            "SELECT MAX(t) FROM (SELECT MAX(time) AS t FROM events UNION ALL SELECT MAX(time) FROM progress"
+            " UNION ALL SELECT MAX(COALESCE(ended_at, notice_at, launched_at)) FROM instances)").fetchone()
+        return float(row[0]) if row and row[0] is not None else None
+
+    def close_lost_instances(self, at: float) -> list[str]:
+        """Instances still open from a supervisor that died with them (SIGKILL, power loss): they
+        end at ``at``, the last moment the store heard from that run, so their cost stops there
+        instead of growing for as long as the run stays stopped."""
+        ids = [r[0] for r in self.db.execute("SELECT id FROM instances WHERE ended_at IS NULL")]
+        for instance_id in ids:
+            self.update_instance(instance_id, ended_at=at, end_reason="lost")
+            self.event("lost", instance_id, at=at)
+        return ids
+
     def latest_epoch(self) -> int:
         row = self.db.execute("SELECT MAX(epoch) FROM progress").fetchone()
         return int(row[0]) if row and row[0] is not None else 0

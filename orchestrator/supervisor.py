@@ -65,7 +65,9 @@ class SupervisorCore:
         self.config = config
         self.tick_s = tick_s
         self.store = RunStore(run_dir)
-        last = self.store.db.execute("SELECT MAX(time) FROM events").fetchone()[0]
+        last = self.store.last_time()
+        if last is not None and self.store.close_lost_instances(last):
+            logger.warning("instances of the previous supervisor were lost with it; their cost ends at %.0f", last)
         scale = config.provider.time_scale if config.provider.type == "local" else 1.0
         self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
         self.store.clock = self.clock
@@ -91,7 +93,10 @@ class SupervisorCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._load_checkpoint()
-        self.store.event("supervisor_start", detail={"resumed_epoch": self.epoch})
+        self.dashboard: Any = None
+        # the clock goes into the store so that readers in other processes can tell the run's "now"
+        self.store.event("supervisor_start", detail={"resumed_epoch": self.epoch, "clock": {
+            "scale": self.clock.scale, "wall0": self.clock.wall0, "origin": self.clock.origin}})
 
     @property
     def address(self) -> str:
@@ -110,9 +115,31 @@ class SupervisorCore:
                 logger.exception("supervisor tick failed; carrying on")
             self._stop.wait(self.tick_s)
 
+    def serve_dashboard(self) -> str | None:
+        """Serve the run's dashboard (``config.dashboard``) while the run is up; returns its URL.
+        A dashboard that cannot start (port taken, extra not installed) never stops the run."""
+        settings = self.config.dashboard
+        try:
+            from .dashboard import DashboardServer
+
+            self.dashboard = DashboardServer(self.store.dir, settings.host, settings.port, clock=self.clock, live=True)
+            url = self.dashboard.start()
+        except Exception as e:  # ImportError without the dashboard extra, OSError for a taken port
+            logger.warning("dashboard not served: %s", e)
+            self.dashboard = None
+            return None
+        logger.info("dashboard: %s", url)
+        self.store.event("dashboard", detail={"url": url})
+        return url
+
     def stop(self) -> None:
         """Release every instance (gracefully), keep the run's data."""
         self._stop.set()
+        if self.dashboard is not None:
+            try:
+                self.dashboard.stop()
+            except Exception:  # never in the way of releasing the instances
+                logger.exception("stopping the dashboard failed")
         if self._thread is not None:
             self._thread.join(timeout=60)
         for inst in list(self.live.values()):
@@ -336,6 +363,7 @@ class Supervisor:
     def __init__(self, config: dict, run_dir: str) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.core = SupervisorCore(ClusterConfig.model_validate(config), Path(run_dir))
+        self.dashboard_url = self.core.serve_dashboard() if self.core.config.dashboard.enabled else None
         self.core.start()
 
     def status(self) -> dict:
@@ -343,6 +371,9 @@ class Supervisor:
 
     def address(self) -> str:
         return self.core.address
+
+    def dashboard(self) -> str | None:
+        return self.dashboard_url
 
     def stop(self) -> None:
         self.core.stop()

@@ -4,6 +4,7 @@ unretrieved exception, an unclosed transport): a clean shutdown leaves no traceb
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,35 @@ def no_asyncio_errors():
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll a condition until it holds (returns as soon as it does; never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def wait_for():
+    return _wait_for
+
+
+@pytest.fixture(scope="module")
+def ray_session(request):
+    """One local Ray for a test module (about 9 s to start); Ray is imported only by modules that use it."""
+    ray = pytest.importorskip("ray")
+    for attempt in range(3):
+        try:
+            ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False,
+                     namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+            time.sleep(1)  # a retry after a failed start, not synchronization
+    yield
+    ray.shutdown()

@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+
 from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.run_store import RunStore, summarize_costs  # noqa: E402
 from orchestrator.supervisor import SupervisorCore  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    for attempt in range(3):
-        try:
-            ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False, namespace="spotswarm-tests")
-            break
-        except Exception:
-            if attempt == 2:
-                raise
-            time.sleep(1)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session")]
 
 
 def cluster(tmp_path: Path, **overrides) -> ClusterConfig:
@@ -47,16 +33,6 @@ def cluster(tmp_path: Path, **overrides) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    """Poll a condition on the run store (returns as soon as it holds; not a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def query(run_dir: Path, sql: str, *args):
     db = sqlite3.connect(run_dir / "run.sqlite")
     try:
@@ -65,7 +41,7 @@ def query(run_dir: Path, sql: str, *args):
         db.close()
 
 
-def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp_path):
+def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp_path, wait_for):
     trace = tmp_path / "trace.csv"
     trace.write_text("notice_after_s,kill_after_s\n40,190\n,\n,\n")  # only the first instance is preempted
     # 150 simulated seconds (15 s here) between notice and kill: ample for a graceful leave on a busy machine
@@ -97,7 +73,7 @@ def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp
     assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted'") == [(1,)]
 
 
-def test_the_budget_cap_is_never_exceeded(tmp_path):
+def test_the_budget_cap_is_never_exceeded(tmp_path, wait_for):
     cap = 0.02
     config = cluster(tmp_path, provider={"time_scale": 100.0, "provisioning_delay_s": 0.0},
                      budget={"max_total_dollars": cap},

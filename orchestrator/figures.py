@@ -1,0 +1,320 @@
+"""The figures of a run, computed from its store alone: headline numbers, time series, the
+instance table and the cost breakdown.  The dashboard, its JSON API, ``/metrics``, the static
+report and ``spotswarm status`` all read them from here, so they always agree.
+
+Times are the run's own clock (simulated seconds with the local provider); series are in seconds
+since the run's first record.  Cost is per-second billing: instance-seconds × the instance's
+price, summed over every instance the run ever had, across every recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .run_store import InstanceRecord, RunStore, summarize_costs
+
+PID_FILE = "up.pid"  # written by ``spotswarm up``/``resume`` while the run is in the foreground
+LOSSES = ("preempted", "died")  # ends that the supervisor replaces
+
+
+def is_live(run_dir: Path) -> bool:
+    """Whether a ``spotswarm up``/``resume`` process is driving this run right now."""
+    pid_file = Path(run_dir) / PID_FILE
+    try:
+        pid = int(pid_file.read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def store_clock(store: RunStore) -> Callable[[], float] | None:
+    """The live run's clock, rebuilt from what its supervisor recorded when it started (the local
+    simulator's clock runs faster than the wall clock, so ``time.time()`` would be wrong)."""
+    row = store.db.execute(
+        "SELECT detail FROM events WHERE kind = 'supervisor_start' ORDER BY time DESC LIMIT 1").fetchone()
+    try:
+        clock = json.loads(row[0])["clock"]
+        scale, wall0, origin = float(clock["scale"]), float(clock["wall0"]), float(clock["origin"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    return lambda: origin + (time.time() - wall0) * scale
+
+
+def run_now(store: RunStore, live: bool) -> float:
+    """"Now" on the run's clock: the live clock while the run is up, else the last thing recorded
+    (a stopped run's figures do not move)."""
+    last = store.last_time() or time.time()
+    clock = store_clock(store) if live else None
+    return max(clock(), last) if clock is not None else last
+
+
+def run_start(store: RunStore) -> float:
+    row = store.db.execute("SELECT MIN(time) FROM events").fetchone()
+    first = [t for t in (row[0] if row else None, *(i.launched_at for i in store.instances()[:1])) if t is not None]
+    return min(first) if first else 0.0
+
+
+# ---- cost arithmetic ---------------------------------------------------------------------------
+def cost_until(instances: list[InstanceRecord], t: float, on_demand: bool = False) -> float:
+    """Dollars spent by time ``t``: each instance's seconds up to ``t`` × its hourly price / 3600."""
+    total = 0.0
+    for i in instances:
+        end = min(i.ended_at if i.ended_at is not None else t, t)
+        seconds = max(end - i.launched_at, 0.0)
+        total += seconds / 3600 * (i.on_demand_price_per_hour if on_demand else i.price_per_hour)
+    return total
+
+
+def cost_curve(instances: list[InstanceRecord], moments: list[float], on_demand: bool = False) -> list[float]:
+    """``cost_until`` at each of the sorted ``moments`` in one sweep (a long run has thousands of
+    instances and moments): cost grows at the summed hourly price of the instances up."""
+    changes = sorted([(i.launched_at, p) for i, p in _prices(instances, on_demand)]
+                     + [(i.ended_at, -p) for i, p in _prices(instances, on_demand) if i.ended_at is not None])
+    out: list[float] = []
+    total, rate, last, k = 0.0, 0.0, None, 0
+    for m in moments:
+        while k < len(changes) and changes[k][0] <= m:
+            t, delta = changes[k]
+            total += rate * (t - last) / 3600 if last is not None else 0.0
+            last, rate, k = t, rate + delta, k + 1
+        out.append(total + (rate * (m - last) / 3600 if last is not None else 0.0))
+    return out
+
+
+def _prices(instances: list[InstanceRecord], on_demand: bool) -> list[tuple[InstanceRecord, float]]:
+    return [(i, i.on_demand_price_per_hour if on_demand else i.price_per_hour) for i in instances]
+
+
+@dataclass
+class CostGroup:
+    node_type: str
+    zone: str
+    market: str
+    instances: int
+    instance_hours: float
+    dollars: float
+    on_demand_dollars: float
+
+
+def cost_breakdown(instances: list[InstanceRecord], now: float) -> list[CostGroup]:
+    """Cost per node type, zone and market: instance-seconds × price, partial hours prorated."""
+    groups: dict[tuple[str, str, str], CostGroup] = {}
+    for i in instances:
+        key = (i.node_type, i.zone, i.market)
+        g = groups.setdefault(key, CostGroup(*key, 0, 0.0, 0.0, 0.0))
+        g.instances += 1
+        g.instance_hours += i.seconds(now) / 3600
+        g.dollars += i.cost(now)
+        g.on_demand_dollars += i.on_demand_cost(now)
+    return [groups[k] for k in sorted(groups)]
+
+
+def _lost_at(i: InstanceRecord) -> float | None:
+    """When the supervisor learnt it had to replace ``i``: at its notice (it replaces the instance
+    while it is leaving) or, without one, when it died."""
+    if i.notice_at is not None:
+        return i.notice_at
+    return i.ended_at if i.end_reason in LOSSES else None
+
+
+def replacements(instances: list[InstanceRecord]) -> list[InstanceRecord]:
+    """Launches that replaced a preempted or dead instance: each loss is matched with the next
+    launch after it (a resumed run's fresh fleet after a clean stop is not a replacement)."""
+    losses = [(t, 0, i) for i in instances if (t := _lost_at(i)) is not None]
+    timeline = sorted(losses + [(i.launched_at, 1, i) for i in instances], key=lambda e: (e[0], e[1]))
+    unreplaced, out = 0, []
+    for _, kind, inst in timeline:
+        if kind == 0:
+            unreplaced += 1
+        elif unreplaced:
+            unreplaced -= 1
+            out.append(inst)
+    return out
+
+
+# ---- headline ----------------------------------------------------------------------------------
+@dataclass
+class Headline:
+    cluster: str
+    live: bool
+    now: float
+    elapsed_s: float
+    epoch: int
+    loss: float | None
+    samples_per_second: float | None
+    samples: int
+    live_instances: int
+    instances: int
+    preemptions: int
+    replacements: int
+    instance_hours: float
+    dollars: float
+    on_demand_dollars: float
+    savings_dollars: float
+    savings_percent: float | None
+    dollars_per_million_samples: float | None
+    dollars_per_hour: float  # what the instances alive now cost per hour
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def headline(store: RunStore, now: float, live: bool) -> Headline:
+    instances = store.instances()
+    costs = summarize_costs(store, now)
+    rows = store.progress_rows()
+    alive = [i for i in instances if i.ended_at is None] if live else []  # a stopped run has none up
+    return Headline(
+        cluster=store.config().cluster_name, live=live, now=now, elapsed_s=now - run_start(store),
+        epoch=store.latest_epoch(), loss=rows[-1][2] if rows else None,
+        samples_per_second=rows[-1][3] if rows else None, samples=costs.samples,
+        live_instances=len(alive), instances=len(instances), preemptions=costs.preemptions,
+        replacements=len(replacements(instances)), instance_hours=costs.instance_hours, dollars=costs.dollars,
+        on_demand_dollars=costs.on_demand_dollars, savings_dollars=costs.savings,
+        savings_percent=100 * costs.savings / costs.on_demand_dollars if costs.on_demand_dollars else None,
+        dollars_per_million_samples=costs.dollars_per_million_samples,
+        dollars_per_hour=sum(i.price_per_hour for i in alive),
+    )
+
+
+HEADLINE_ROWS: list[tuple[str, Callable[[Headline], str]]] = [
+    ("state", lambda h: "running" if h.live else "stopped"),
+    ("run time (s)", lambda h: f"{h.elapsed_s:,.0f}"),
+    ("global epoch", lambda h: str(h.epoch)),
+    ("loss", lambda h: f"{h.loss:.4f}" if h.loss is not None else "-"),
+    ("samples/s", lambda h: f"{h.samples_per_second:,.0f}" if h.samples_per_second else "-"),
+    ("samples trained", lambda h: f"{h.samples:,}"),
+    ("instances live / used", lambda h: f"{h.live_instances} / {h.instances}"),
+    ("preemptions / replacements", lambda h: f"{h.preemptions} / {h.replacements}"),
+    ("instance-hours", lambda h: f"{h.instance_hours:.3f}"),
+    ("dollars spent", lambda h: f"${h.dollars:.4f}"),
+    ("same hours on demand", lambda h: f"${h.on_demand_dollars:.4f}"),
+    ("saved", lambda h: f"${h.savings_dollars:.4f}"
+     + (f" ({h.savings_percent:.0f}%)" if h.savings_percent is not None else "")),
+    ("$ per million samples", lambda h: f"${h.dollars_per_million_samples:.4f}"
+     if h.dollars_per_million_samples is not None else "-"),
+    ("burn rate ($/h)", lambda h: f"${h.dollars_per_hour:.3f}"),
+]
+"""The headline as (label, formatted value) rows: one wording for the terminal, the page and the report."""
+
+
+def headline_rows(h: Headline) -> list[tuple[str, str]]:
+    return [(label, fmt(h)) for label, fmt in HEADLINE_ROWS]
+
+
+# ---- instance table ----------------------------------------------------------------------------
+@dataclass
+class InstanceRow:
+    id: str
+    node_type: str
+    zone: str
+    market: str
+    price_per_hour: float
+    launched_s: float  # seconds since the run's start
+    lifetime_s: float
+    dollars: float
+    ended: str  # preempted, died, released, budget, lost, or running
+    noticed: bool
+
+
+def instance_rows(store: RunStore, now: float) -> list[InstanceRow]:
+    start = run_start(store)
+    return [InstanceRow(i.id, i.node_type, i.zone, i.market, i.price_per_hour, i.launched_at - start,
+                        i.seconds(now), i.cost(now), i.end_reason or "running", i.notice_at is not None)
+            for i in store.instances()]
+
+
+# ---- time series -------------------------------------------------------------------------------
+@dataclass
+class Trace:
+    name: str
+    t: list[float] = field(default_factory=list)  # seconds since the run's start
+    y: list[float] = field(default_factory=list)
+    step: bool = False  # a count that jumps (draw as steps), not a measurement (draw as a line)
+
+
+@dataclass
+class Chart:
+    id: str
+    title: str
+    y_label: str
+    traces: list[Trace]
+
+    @property
+    def points(self) -> int:
+        return sum(len(tr.t) for tr in self.traces)
+
+
+def _cumulative(name: str, times: list[float], start: float, now: float) -> Trace:
+    trace = Trace(name, [0.0], [0.0], step=True)
+    for n, t in enumerate(sorted(times), 1):
+        trace.t.append(t - start)
+        trace.y.append(float(n))
+    trace.t.append(now - start)
+    trace.y.append(trace.y[-1])
+    return trace
+
+
+def _live_by_group(instances: list[InstanceRecord], start: float, now: float) -> list[Trace]:
+    changes: dict[str, list[tuple[float, int]]] = {}
+    for i in instances:
+        name = f"{i.node_type} / {i.zone}" + ("" if i.market == "spot" else f" ({i.market})")
+        changes.setdefault(name, []).append((i.launched_at, 1))
+        if i.ended_at is not None:
+            changes[name].append((i.ended_at, -1))
+    traces = []
+    for name in sorted(changes):
+        trace, count = Trace(name, [0.0], [0.0], step=True), 0
+        for t, delta in sorted(changes[name]):
+            count += delta
+            trace.t.append(t - start)
+            trace.y.append(float(count))
+        trace.t.append(now - start)
+        trace.y.append(float(count))
+        traces.append(trace)
+    return traces
+
+
+def charts(store: RunStore, now: float) -> list[Chart]:
+    """Every chart of the dashboard and the report, as plain series (no plotting library here)."""
+    start = run_start(store)
+    instances = store.instances()
+    progress = [r for r in store.progress_rows() if r[0] <= now]
+    # cost is piecewise linear between launches and ends: evaluating at those moments is exact
+    moments = sorted({start, now, *(t for i in instances for t in (i.launched_at, i.ended_at)
+                                    if t is not None and start <= t <= now)})
+    spot = cost_curve(instances, moments)
+    on_demand = cost_curve(instances, moments, on_demand=True)
+    rel = [t - start for t in moments]
+    trained = [(r[0], r[5]) for r in progress if r[5]]
+    per_million = Trace("spot fleet", [t - start for t, _ in trained],
+                        [c / n * 1e6 for c, (_, n) in zip(cost_curve(instances, [t for t, _ in trained]), trained,
+                                                          strict=True)])
+    return [
+        Chart("throughput", "Global samples/s", "samples/s",
+              [Trace("samples/s", [r[0] - start for r in progress], [r[3] or 0.0 for r in progress])]),
+        Chart("loss", "Loss", "loss",
+              [Trace("loss", [r[0] - start for r in progress if r[2] is not None],
+                     [r[2] for r in progress if r[2] is not None])]),
+        Chart("instances", "Live instances by node type and zone", "instances",
+              _live_by_group(instances, start, now)),
+        Chart("preemptions", "Preemptions and replacements", "count (cumulative)", [
+            _cumulative("preemptions", [i.ended_at for i in instances
+                                        if i.end_reason == "preempted" and i.ended_at is not None], start, now),
+            _cumulative("replacements", [i.launched_at for i in replacements(instances)], start, now)]),
+        Chart("dollars", "Cumulative dollars", "$", [Trace("spot fleet", rel, spot),
+                                                     Trace("same instance-hours on demand", rel, on_demand)]),
+        Chart("dollars_per_million", "Dollars per million samples", "$ / 1M samples", [per_million]),
+        Chart("savings", "Savings against on-demand", "$ saved",
+              [Trace("saved", rel, [od - s for od, s in zip(on_demand, spot, strict=True)])]),
+    ]
+
+
+def series_json(store: RunStore, now: float) -> dict:
+    return {"start": run_start(store), "now": now, "charts": [asdict(c) for c in charts(store, now)]}

@@ -1,0 +1,169 @@
+"""The dashboard page in real headless Chromium, on a run store filled by a short real local run
+(Ray, simulated spot instances training, a preemption and its replacement): served live by the
+supervisor, then from the finished run's store as ``spotswarm dashboard RUN`` does."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+
+from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.dashboard import DashboardServer  # noqa: E402
+from orchestrator.run_store import RunStore  # noqa: E402
+from orchestrator.supervisor import SupervisorCore  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHARTS = 7
+
+
+def store_rows(run_dir: Path, sql: str) -> list:
+    store = RunStore.open(run_dir)
+    try:
+        return store.db.execute(sql).fetchall()
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def live_run(ray_session, tmp_path_factory, wait_for) -> Iterator[tuple[SupervisorCore, str, Callable[[], None]]]:
+    """A real run with its supervisor serving the dashboard; the first instance is preempted."""
+    base = tmp_path_factory.mktemp("run")
+    trace = base / "trace.csv"
+    trace.write_text("notice_after_s,kill_after_s\n20,60\n,\n,\n")
+    config = ClusterConfig.model_validate({
+        "cluster_name": "browser", "runs_dir": str(base / "runs"),
+        "provider": {"type": "local", "zones": ["a", "b"], "time_scale": 20.0, "provisioning_delay_s": 10.0,
+                     "trace_file": str(trace)},
+        "available_node_types": {"small": {"min_workers": 2, "max_workers": 2, "on_demand_price_per_hour": 1.0,
+                                           "spot_price_per_hour": {"a": 0.3, "b": 0.35}}},
+        "spot": {"notice_period_s": 40.0},
+        "training": {"task": "synthetic", "target_batch_size": 64, "min_matchmaking_time_s": 0.5,
+                     "averaging_timeout_s": 10.0},
+        "checkpoint": {"every_s": 600.0},
+        "dashboard": {"port": 0},
+    })
+    RunStore.create(config).close()
+    run_dir = config.run_dir()
+    core = SupervisorCore(config, run_dir)
+    url = core.serve_dashboard()
+    assert url is not None, "the supervisor did not serve its dashboard"
+    core.start()
+    stopped: list[bool] = []
+
+    def stop() -> None:  # the second test stops the run; the fixture stops it if that did not happen
+        if not stopped:
+            stopped.append(True)
+            core.stop()
+
+    try:
+        wait_for(lambda: store_rows(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted'")
+                 == [(1,)], 60, "a preemption")
+        wait_for(lambda: store_rows(run_dir, "SELECT COUNT(*) FROM instances")[0][0] >= 3, 30, "its replacement")
+        wait_for(lambda: store_rows(run_dir, "SELECT COUNT(*) FROM progress WHERE samples > 0")[0][0] >= 2, 60,
+                 "training progress")
+        yield core, url, stop
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="module")
+def browser(live_run) -> Iterator:
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it, or run "
+                    "`apt-get install -y --no-install-recommends chromium`")
+    with playwright_api.sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        yield instance
+        instance.close()
+
+
+def open_dashboard(browser, url: str) -> tuple:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(url)
+    return page, errors
+
+
+def chart_points(page) -> dict[str, int]:
+    return page.evaluate("""() => Object.fromEntries(Array.from(document.querySelectorAll('.chart')).map(
+        d => [d.id, (d.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0)]))""")
+
+
+def table_ids(page) -> list[str]:
+    return page.eval_on_selector_all("#instances tbody tr", "rows => rows.map(r => r.cells[0].textContent)")
+
+
+def save_screenshot(page, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    page.screenshot(path=str(path), full_page=True)
+    if os.environ.get("SPOTSWARM_ARTIFACTS"):
+        target = Path(os.environ["SPOTSWARM_ARTIFACTS"])
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target / name)
+    return path
+
+
+def card(page, label: str) -> str:
+    """The value shown on a headline card."""
+    return page.evaluate("""label => Array.from(document.querySelectorAll('#headline .card'))
+        .find(c => c.children[0].textContent === label).children[1].textContent""", label)
+
+
+def refreshes(page) -> int:
+    return int(page.evaluate("() => document.body.dataset.refreshes || 0"))
+
+
+def test_live_page_in_chromium(live_run, browser, tmp_path, wait_for):
+    core, url, _ = live_run
+    page, errors = open_dashboard(browser, url)
+    try:
+        wait_for(lambda: refreshes(page) >= 2, 30, "the page to refresh itself")
+        assert page.text_content("#state") == "live"
+        assert page.evaluate("() => document.body.dataset.polling") == "on"
+        points = chart_points(page)
+        assert len(points) == CHARTS and all(n > 0 for n in points.values()), points
+        ids = lambda: sorted(r[0] for r in store_rows(core.store.dir, "SELECT id FROM instances"))  # noqa: E731
+        wait_for(lambda: sorted(table_ids(page)) == ids(), 30, "the table to list every instance")
+        assert "preempted" in page.text_content("#instances")
+        shot = save_screenshot(page, tmp_path, "dashboard-live.png")
+        assert shot.stat().st_size > 20_000
+    finally:
+        page.close()
+    assert not errors, errors
+
+
+def test_finished_run_page_in_chromium(live_run, browser, tmp_path, wait_for):
+    core, _, stop = live_run
+    stop()
+    run_dir = core.store.dir
+    every_instance = [r[0] for r in store_rows(run_dir, "SELECT id FROM instances ORDER BY launched_at")]
+    with DashboardServer(run_dir) as server:  # what `spotswarm dashboard RUN` serves
+        page, errors = open_dashboard(browser, server.url)
+        try:
+            wait_for(lambda: refreshes(page) >= 1, 30, "the page to load its figures")
+            assert page.text_content("#state") == "finished"
+            points = chart_points(page)
+            assert len(points) == CHARTS and all(n > 0 for n in points.values()), points
+            assert table_ids(page) == every_instance
+            preemptions, replacements = map(int, card(page, "preemptions / replacements").split(" / "))
+            assert preemptions == 1 and replacements >= 1
+            assert card(page, "dollars spent").startswith("$") and card(page, "saved").endswith("%)")
+            ended = page.eval_on_selector_all("#instances tbody tr", "rows => rows.map(r => r.cells[8].textContent)")
+            assert "preempted" in ended and "running" not in ended  # every instance released at the stop
+            assert page.evaluate("() => document.body.dataset.polling") == "off"  # nothing left to refresh
+            save_screenshot(page, tmp_path, "dashboard-finished.png")
+        finally:
+            page.close()
+    assert not errors, errors

@@ -1,0 +1,153 @@
+"""The dashboard's HTTP side on loopback: the JSON API, ``/metrics`` parsed with
+prometheus-client's own parser, and a clean start and stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator import figures
+from orchestrator.dashboard import DashboardServer
+from orchestrator.run_store import RunStore
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def get(url: str) -> tuple[str, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.headers["Content-Type"], response.read()
+
+
+def samples(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_metrics_carry_the_dashboard_figures(hand_run):
+    with DashboardServer(hand_run.dir) as server:
+        content_type, body = get(server.url + "metrics")
+        summary = json.loads(get(server.url + "api/summary")[1])
+    assert content_type.startswith("text/plain")
+    m = samples(body.decode())
+
+    def value(name: str) -> float:
+        (s,) = m[name]
+        assert s.labels["run"] == "hand"
+        return s.value
+
+    assert value("spotswarm_run_live") == 0
+    assert value("spotswarm_epoch") == 20
+    assert value("spotswarm_loss") == pytest.approx(0.85)
+    assert value("spotswarm_samples_per_second") == pytest.approx(45.0)
+    assert value("spotswarm_samples_total") == hand_run.samples
+    assert value("spotswarm_preemptions_total") == 1
+    assert value("spotswarm_replacements_total") == 2
+    assert value("spotswarm_instances_launched_total") == 7
+    assert value("spotswarm_savings_dollars") == pytest.approx(hand_run.on_demand_dollars - hand_run.dollars)
+    assert value("spotswarm_dollars_per_million_samples") == pytest.approx(hand_run.dollars / hand_run.samples * 1e6)
+    cost = {(s.labels["node_type"], s.labels["zone"], s.labels["market"]): s.value
+            for s in m["spotswarm_cost_dollars_total"]}
+    assert cost[("small", "a", "spot")] == pytest.approx(5800 / 3600 * 0.3)
+    assert sum(cost.values()) == pytest.approx(hand_run.dollars)
+    assert sum(s.value for s in m["spotswarm_on_demand_cost_dollars_total"]) == pytest.approx(
+        hand_run.on_demand_dollars)
+    assert sum(s.value for s in m["spotswarm_instance_seconds_total"]) == pytest.approx(5800 + 6300 + 1800 + 3500)
+    assert all(s.value == 0 for s in m["spotswarm_live_instances"])  # finished: nothing is up
+    # the page's numbers are the same numbers
+    assert summary["dollars"] == pytest.approx(hand_run.dollars)
+    assert summary["preemptions"] == 1 and summary["replacements"] == 2 and summary["live"] is False
+
+
+def test_json_api_page_and_offline_plotly(hand_run):
+    with DashboardServer(hand_run.dir) as server:
+        instances = json.loads(get(server.url + "api/instances")[1])
+        series = json.loads(get(server.url + "api/series")[1])
+        charts = json.loads(get(server.url + "api/charts")[1])
+        costs = json.loads(get(server.url + "api/costs")[1])
+        page_type, page = get(server.url)
+        js_type, js = get(server.url + "static/plotly.min.js")
+    assert [i["id"] for i in instances] == ["i0", "i1", "i2", "i4", "i3", "i5", "i6"]  # by launch time
+    assert {i["id"]: i["ended"] for i in instances}["i0"] == "preempted"
+    assert {i["id"]: i["lifetime_s"] for i in instances}["i3"] == pytest.approx(1700)
+    ids = [c["id"] for c in series["charts"]]
+    assert ids == ["throughput", "loss", "instances", "preemptions", "dollars", "dollars_per_million", "savings"]
+    assert set(charts) == set(ids) and all(fig["data"] for fig in charts.values())
+    assert all(any(tr["x"] for tr in fig["data"]) for fig in charts.values())
+    assert sum(c["dollars"] for c in costs) == pytest.approx(hand_run.dollars)
+    assert page_type.startswith("text/html") and b'src="static/plotly.min.js"' in page
+    assert js_type.startswith("application/javascript") and len(js) > 1_000_000  # shipped inside plotly
+
+
+def test_a_live_run_reads_the_clock_it_is_given(hand_run):
+    store = RunStore.open(hand_run.dir)
+    try:
+        store.db.execute("UPDATE instances SET ended_at = NULL, end_reason = NULL WHERE id = 'i6'")
+        store.db.commit()
+    finally:
+        store.close()
+    now = hand_run.t0 + 7000 + 3600  # i6 has been up an hour
+    with DashboardServer(hand_run.dir, clock=lambda: now, live=True) as server:
+        m = samples(get(server.url + "metrics")[1].decode())
+        summary = json.loads(get(server.url + "api/summary")[1])
+    assert m["spotswarm_run_live"][0].value == 1
+    live = {(s.labels["node_type"], s.labels["zone"]): s.value for s in m["spotswarm_live_instances"]}
+    assert live[("small", "b")] == 1 and sum(live.values()) == 1
+    assert summary["live"] is True and summary["dollars_per_hour"] == pytest.approx(0.4)
+    assert summary["dollars"] == pytest.approx(hand_run.dollars - 0.1 + 0.4)
+
+
+def test_start_and_stop_are_clean(hand_run):
+    threads = set(threading.enumerate())
+    server = DashboardServer(hand_run.dir)
+    url = server.start()
+    get(url + "api/summary")
+    with pytest.raises(OSError):  # the port is taken: a second server says so instead of hiding it
+        DashboardServer(hand_run.dir, port=server.port).start()
+    server.stop()
+    server.stop()  # idempotent
+    with pytest.raises(urllib.error.URLError):
+        get(url + "api/summary")
+    with socket.socket() as s:  # the port is free again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", server.port))
+    assert set(threading.enumerate()) <= threads  # no thread left behind
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        DashboardServer(tmp_path).start()
+    assert figures.is_live(tmp_path) is False
+
+
+def test_dashboard_command_serves_until_interrupted_and_exits_cleanly(hand_run):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "dashboard", str(hand_run.dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # blocks until the server is up and has printed its address
+        url = re.search(r"http://\S+/", line).group(0)
+        assert json.loads(get(url + "api/summary")[1])["cluster"] == "hand"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "Traceback" not in err and "Error" not in err, err
