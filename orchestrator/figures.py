@@ -63,12 +63,7 @@ def run_start(store: RunStore) -> float:
 # ---- cost arithmetic ---------------------------------------------------------------------------
 def cost_until(instances: list[InstanceRecord], t: float, on_demand: bool = False) -> float:
     """Dollars spent by time ``t``: each instance's seconds up to ``t`` × its hourly price / 3600."""
-    total = 0.0
-    for i in instances:
-        end = min(i.ended_at if i.ended_at is not None else t, t)
-        seconds = max(end - i.launched_at, 0.0)
-        total += seconds / 3600 * (i.on_demand_price_per_hour if on_demand else i.price_per_hour)
-    return total
+    return sum(i.on_demand_cost(t) if on_demand else i.cost(t) for i in instances)
 
 
 def cost_curve(instances: list[InstanceRecord], moments: list[float], on_demand: bool = False) -> list[float]:

@@ -49,7 +49,9 @@ class InstanceRecord:
     peer_id: str | None = None
 
     def seconds(self, now: float) -> float:
-        return max((self.ended_at or now) - self.launched_at, 0.0)
+        """Billed seconds up to ``now`` (also for a moment in the past: cost curves ask for those)."""
+        end = now if self.ended_at is None else min(self.ended_at, now)
+        return max(end - self.launched_at, 0.0)
 
     def cost(self, now: float) -> float:
         return self.seconds(now) / 3600 * self.price_per_hour

@@ -27,7 +27,6 @@ class MoshpitSGD:
         self.averaging_timeout = averaging_timeout
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.local_steps = 0
-        self.epoch = 0  # averaging rounds done
         self.last_result: StepResult | None = None
         self.samples = 0
         self.last_loss: float | None = None
@@ -45,6 +44,11 @@ class MoshpitSGD:
 
         self.averager, self.tracker = dht.run_coroutine(build)
         self.keep_alive()
+
+    @property
+    def epoch(self) -> int:
+        """Averaging rounds done (attempted), which is also the averager's grid round."""
+        return self.averager.round
 
     def step(self, batch_size: int = 0, loss: float | None = None) -> bool:
         """A local step; returns True when this step also averaged parameters."""
@@ -69,8 +73,7 @@ class MoshpitSGD:
             # a newcomer, or a peer that lost a round, joins the swarm's current round: a peer out of
             # phase looks for group mates along another grid dimension than everyone else
             swarm = (await tracker.global_progress()).epoch
-            if swarm > self.epoch:
-                self.epoch = averager.round = swarm
+            averager.round = max(averager.round, swarm)
             return await averager.step(timeout=self.averaging_timeout)
 
         result = self.dht.run_coroutine(run)
@@ -79,7 +82,6 @@ class MoshpitSGD:
             with torch.no_grad():
                 for p, buf in zip(self.params, buffers, strict=True):
                     p.copy_(buf)
-        self.epoch += 1
         self.keep_alive(force=True)
         return result.averaged
 
