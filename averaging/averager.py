@@ -57,8 +57,8 @@ class DecentralizedAverager:
     def __init__(self, tensors: Sequence[torch.Tensor], node: DHTNode, prefix: str, *,
                  target_group_size: int = 8, min_group_size: int = 2, min_matchmaking_time: float = 1.0,
                  request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
-                 compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 18, bandwidth: float = 100.0,
-                 poll_interval: float = 0.05) -> None:
+                 compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 16, window: int = 6,
+                 bandwidth: float = 100.0, poll_interval: float = 0.05) -> None:
         if "." in prefix or not prefix:
             raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
         self.node = node
@@ -66,6 +66,9 @@ class DecentralizedAverager:
         self.flat = FlatTensors(tensors)
         self.codec = Codec(compression)
         self.chunk_size = chunk_size
+        if window < 1:
+            raise ValueError(f"window must be at least one chunk, got {window}")
+        self.window = window
         self.allreduce_timeout = allreduce_timeout
         self.sender_timeout = sender_timeout
         self.request_timeout = request_timeout
@@ -109,7 +112,7 @@ class DecentralizedAverager:
             if group is None or group.size < 2:
                 return StepResult(1, matchmaking_time=matched - started)
             round_ = AllReduceRound(self.node.p2p, self.method, group, self.flat, float(weight), self.codec,
-                                    self.chunk_size, self.sender_timeout)
+                                    self.chunk_size, self.sender_timeout, self.window)
             future = self._rounds.setdefault(group.group_id, loop.create_future())
             if not future.done():
                 future.set_result(round_)

@@ -12,7 +12,6 @@ and the shares are rounded to integer part sizes that add up to P.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linprog
 
 
 def optimal_shares(bandwidths: list[float]) -> tuple[np.ndarray, float]:
@@ -32,6 +31,20 @@ def optimal_shares(bandwidths: list[float]) -> tuple[np.ndarray, float]:
     n = len(b)
     if n == 1:
         return np.ones(1), 1.0 / b[0]
+    if np.all(b[active] == b[active][0]):
+        # the common case has a closed-form optimum (equal shares among the peers that accept
+        # connections), which spares the leader scipy's import: 0.2 s and ~40 MB per process
+        w = active / active.sum()
+        return w, float((1 + (n - 2) * w[active][0]) / b[active][0])
+    return solve_lp(b)
+
+
+def solve_lp(b: np.ndarray) -> tuple[np.ndarray, float]:
+    """The LP itself, for bandwidths ``b`` already checked by ``optimal_shares``."""
+    from scipy.optimize import linprog  # imported here: see optimal_shares
+
+    n = len(b)
+    active = b > 0
     # variables: w_1..w_n, T ; minimize T
     c = np.zeros(n + 1)
     c[-1] = 1.0

@@ -140,6 +140,10 @@ async def main(args: argparse.Namespace) -> None:
     idx = sample_indices(args.size)
     tensor = torch.empty(args.size, dtype=torch.float32)
     fill(tensor, args.seed)
+    if args.floor:  # the memory floor: these imports and this vector, no averaging
+        describe(tensor, idx)
+        emit({"rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+        return
     emit({"hello": os.getpid()})
     cmd = await command()
     if cmd[0] != "init":
@@ -159,7 +163,8 @@ async def main(args: argparse.Namespace) -> None:
                 averager = DecentralizedAverager(
                     [tensor], node, cmd[1], target_group_size=int(cmd[2]), bandwidth=float(cmd[3]),
                     min_matchmaking_time=args.min_matchmaking_time, allreduce_timeout=args.allreduce_timeout,
-                    **({"chunk_size": args.chunk_size} if args.chunk_size else {}))
+                    **({"chunk_size": args.chunk_size} if args.chunk_size else {}),
+                    **({"window": args.window} if args.window else {}))
                 emit({"avg_ready": cmd[1]})
             elif cmd[0] == "prep":
                 rnd = int(cmd[1])
@@ -205,6 +210,8 @@ if __name__ == "__main__":
     parser.add_argument("--whatif-isfinite", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--whatif-bg-withdraw", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--chunk-size", type=int, default=0, help="DecentralizedAverager chunk_size (0: default)")
+    parser.add_argument("--floor", action="store_true", help="fill the vector, report peak RSS and exit")
+    parser.add_argument("--window", type=int, default=0, help="DecentralizedAverager window (0: default)")
     args = parser.parse_args()
     if args.whatif_isfinite:  # diagnosis only: what the finiteness checks cost (torch.isfinite, this process)
         _isfinite = torch.isfinite

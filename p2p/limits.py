@@ -22,7 +22,7 @@ class Limits:
     max_message_bytes: int = 2 * GiB
     max_streams: int = 4096
     # Received-but-unconsumed bytes per connection before we stop reading from its socket.
-    max_buffered_bytes: int = 512 * MiB
+    max_buffered_bytes: int = 8 * MiB
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

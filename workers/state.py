@@ -121,7 +121,11 @@ class StateSharer:
     async def _rpc_tensors(self, request: Any, ctx: CallContext) -> Any:
         if not isinstance(request, dict) or not isinstance(request.get("idx"), list):
             raise ValueError("request must be {'epoch': int, 'idx': [tensor indices]}")
-        snap = self._current()  # any donor can serve tensors, not only the one asked for the metadata
+        snap = self._snapshot
+        if snap is None or snap.epoch != request.get("epoch"):
+            # keep serving the snapshot a downloader's metadata came from, even if training moved
+            # on meanwhile; any donor can serve tensors, not only the one asked for the metadata
+            snap = self._current()
         if snap.epoch != request.get("epoch"):
             raise ValueError(f"this peer no longer serves epoch {request.get('epoch')}")
         for i in request["idx"]:
@@ -151,14 +155,16 @@ class StateSharer:
             raise StateUnavailable(f"no peer offers state of epoch >= {min_epoch}")
         last_error: Exception | None = None
         for epoch in sorted({e for e, _ in donors}, reverse=True):
-            addresses = [a for e, a in donors if e == epoch]
+            addresses = [a for e, a in donors if e >= epoch]  # fresher donors can serve it too
             try:
-                return epoch, await self._download_epoch(epoch, addresses, max_donors)
+                return await self._download_epoch(epoch, addresses, max_donors)
             except StateUnavailable as e:
                 last_error = e
         raise StateUnavailable(f"every donor failed: {last_error}")
 
-    async def _download_epoch(self, epoch: int, addresses: list[str], max_donors: int) -> Any:
+    async def _download_epoch(self, epoch: int, addresses: list[str], max_donors: int) -> tuple[int, Any]:
+        """The state of the first donor that answers at ``epoch`` or later (training goes on while
+        adverts travel, so a donor is often an epoch or more past what it advertised)."""
         meta = None
         for address in list(addresses):
             try:
@@ -167,11 +173,14 @@ class StateSharer:
                 logger.info("state donor %s failed: %s", address, e)
                 addresses.remove(address)
                 continue
-            if isinstance(meta, dict) and meta.get("epoch") == epoch:
+            if isinstance(meta, dict) and isinstance(meta.get("epoch"), int) and meta["epoch"] >= epoch:
+                addresses.remove(address)
+                addresses.insert(0, address)  # the donor that answered serves first
                 break
             meta = None
         if meta is None:
-            raise StateUnavailable(f"no donor answered for epoch {epoch}")
+            raise StateUnavailable(f"no donor answered for epoch {epoch} or later")
+        epoch = meta["epoch"]
         n, sums = int(meta["n"]), list(meta["sums"])
         got: dict[int, torch.Tensor] = {}
         pending = list(range(n))
@@ -185,7 +194,7 @@ class StateSharer:
             pending = [i for i in range(n) if i not in got]
         if pending:
             raise StateUnavailable(f"{len(pending)} of {n} tensors could not be fetched and verified")
-        return unflatten_state(meta["skeleton"], [got[i] for i in range(n)])
+        return epoch, unflatten_state(meta["skeleton"], [got[i] for i in range(n)])
 
     async def _fetch(self, address: str, epoch: int, idx: list[int], sums: list[bytes],
                      got: dict[int, torch.Tensor]) -> bool:

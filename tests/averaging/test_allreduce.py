@@ -64,6 +64,28 @@ async def test_weighted_mean(swarm):
         await shutdown_all(averagers)
 
 
+async def test_one_chunk_window_and_unequal_parts_still_give_the_exact_mean(swarm):
+    """window=1: every sender waits for each averaged chunk before sending the next (strict
+    lock-step across all senders of a part); unequal bandwidths make the leader solve the LP."""
+    nodes = await swarm(4)
+    tensors = [data(i) for i in range(4)]
+    expected = [torch.stack([t[k] for t in tensors]).double().mean(0).float() for k in range(3)]
+    averagers = [DecentralizedAverager(t, n, "win", target_group_size=4, min_matchmaking_time=10.0, chunk_size=1000,
+                                       window=1, bandwidth=b)
+                 for t, n, b in zip(tensors, nodes, [200.0, 100.0, 50.0, 25.0], strict=True)]
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        assert all(r.group_size == 4 and not r.failed_peers for r in results)
+        assert len(set(results[0].part_sizes)) > 1  # the LP gave unequal parts
+        for a in averagers:
+            for k in range(3):
+                torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="window"):
+            DecentralizedAverager(data(9), nodes[0], "bad", window=0)
+    finally:
+        await shutdown_all(averagers)
+
+
 async def test_moshpit_3x3_grid_is_exact_after_two_rounds(swarm):
     nodes = await swarm(9)
     tensors = [[torch.full((64,), float(i * i))] for i in range(9)]

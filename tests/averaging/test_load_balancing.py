@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from averaging import load_balanced_parts, optimal_shares, part_sizes
+from averaging.load_balancing import solve_lp
 
 
 def round_time(shares, bandwidths):
@@ -49,3 +50,12 @@ def test_bad_bandwidths_are_refused():
         optimal_shares([0.0, 0.0])
     with pytest.raises(ValueError):
         optimal_shares([1.0, -1.0])
+
+
+@pytest.mark.parametrize("bandwidths", [[100.0] * 4, [50.0, 50.0, 0.0], [80.0, 0.0, 80.0, 80.0, 0.0], [10.0, 10.0]])
+def test_equal_bandwidths_closed_form_matches_the_lp(bandwidths):
+    shares, bound = optimal_shares(bandwidths)
+    lp_shares, lp_bound = solve_lp(np.asarray(bandwidths))
+    assert bound == pytest.approx(lp_bound, rel=1e-9)
+    assert round_time(shares, bandwidths) == pytest.approx(lp_bound, rel=1e-9)
+    assert shares.sum() == pytest.approx(1.0) and all(shares[i] == 0 for i, b in enumerate(bandwidths) if b == 0)
