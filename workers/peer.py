@@ -82,6 +82,8 @@ class TrainingPeer:
                                         averaging_timeout=config.averaging_timeout, compression=config.compression)
         self._stop = threading.Event()
         self._stopped = threading.Event()
+        self._leave_at: float | None = None  # monotonic time by which a noticed peer stops training
+        self._epoch_s: float | None = None  # how long the last global epoch took, seen from here
         self._report = Path(config.report_file).open("a") if config.report_file else None
 
     @property
@@ -99,8 +101,11 @@ class TrainingPeer:
         started = time.monotonic()
         batches = self.task.batches(cfg.seed)
         samples, window_start, losses = 0, time.monotonic(), []
+        epoch_started = time.monotonic()
         try:
             while not self._stop.is_set():
+                if self._leave_at is not None and time.monotonic() >= self._leave_at:
+                    break
                 if cfg.max_epochs is not None and self.epoch >= cfg.max_epochs:
                     break
                 if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
@@ -113,9 +118,13 @@ class TrainingPeer:
                 epoch_before = self.epoch
                 self.optimizer.step(self.task.batch_size, loss.item())
                 if self.epoch != epoch_before:
-                    elapsed = max(time.monotonic() - window_start, 1e-9)
+                    now = time.monotonic()
+                    self._epoch_s, epoch_started = now - epoch_started, now
+                    elapsed = max(now - window_start, 1e-9)
                     self._log_epoch(sum(losses) / len(losses), samples / elapsed)
-                    samples, window_start, losses = 0, time.monotonic(), []
+                    samples, window_start, losses = 0, now, []
+                    if self._leave_at is not None and now + self._epoch_s > self._leave_at:
+                        break  # another epoch would not fit before we must go: leave between rounds
         finally:
             self._stopped.set()
 
@@ -149,11 +158,19 @@ class TrainingPeer:
             return opt.history[-1].group_size if opt.history else 1
         return opt.last_result.group_size if opt.last_result else 1
 
-    def prepare_to_leave(self, deadline: float = 30.0) -> None:
+    def prepare_to_leave(self, deadline: float = 30.0, train_for: float = 0.0) -> None:
         """Stop starting new rounds, let the current one finish (bounded by ``deadline``), withdraw
-        our DHT records and shut down.  Safe to call from a signal handler's thread or another."""
+        our DHT records and shut down.  Safe to call from a signal handler's thread or another.
+
+        ``train_for`` > 0 (a preemption notice with time to spare): keep contributing for up to that
+        long, leaving at the first epoch boundary after which another epoch would not fit, so the
+        notice period is spent training instead of idle, and we still leave between rounds."""
+        started = time.monotonic()
+        if train_for > 0 and not self._stop.is_set():
+            self._leave_at = started + min(train_for, deadline)
+            self._stopped.wait(timeout=min(train_for, deadline))
         self._stop.set()
-        if not self._stopped.wait(timeout=deadline):
+        if not self._stopped.wait(timeout=max(deadline - (time.monotonic() - started), 0.0)):
             logger.warning("training loop did not stop within %.1f s; leaving anyway", deadline)
         self.optimizer.prepare_to_leave()
         self.shutdown()

@@ -47,10 +47,12 @@ class SimulatedInstance:
         return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address}
 
     def notice(self, deadline_s: float) -> None:
-        """A preemption notice: leave gracefully in the background, within ``deadline_s``."""
+        """A preemption notice: keep training through most of it, then leave gracefully in the
+        background, all within ``deadline_s``."""
         def leave() -> None:
             try:
-                self.peer.prepare_to_leave(deadline=deadline_s)
+                # the last quarter is for finishing a round and withdrawing our records
+                self.peer.prepare_to_leave(deadline=deadline_s, train_for=0.75 * deadline_s)
             finally:
                 self.left.set()
         threading.Thread(target=leave, name="leaving", daemon=True).start()
