@@ -182,9 +182,7 @@ class AllReduceRound:
     """One all-reduce of ``flat`` in ``group``; the P2P handler feeds it senders via ``serve``."""
 
     def __init__(self, p2p: P2P, method: str, group: GroupInfo, flat: FlatTensors, weight: float,
-                 codec: Codec, chunk_size: int, sender_timeout: float, window: int = 8) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least one chunk, got {window}")
+                 codec: Codec, chunk_size: int, sender_timeout: float, window: int) -> None:
         self.p2p = p2p
         self.method = method
         self.group = group

@@ -153,38 +153,36 @@ class StateSharer:
         donors = await self.donors(min_epoch)
         if not donors:
             raise StateUnavailable(f"no peer offers state of epoch >= {min_epoch}")
+        addresses = [a for _, a in donors]  # freshest first
         last_error: Exception | None = None
-        for epoch in sorted({e for e, _ in donors}, reverse=True):
-            addresses = [a for e, a in donors if e >= epoch]  # fresher donors can serve it too
+        while addresses:  # every try removes at least one donor from the list
             try:
-                return await self._download_epoch(epoch, addresses, max_donors)
+                return await self._download_once(addresses, min_epoch, max_donors)
             except StateUnavailable as e:
                 last_error = e
         raise StateUnavailable(f"every donor failed: {last_error}")
 
-    async def _download_epoch(self, epoch: int, addresses: list[str], max_donors: int) -> tuple[int, Any]:
-        """The state of the first donor that answers at ``epoch`` or later (training goes on while
-        adverts travel, so a donor is often an epoch or more past what it advertised)."""
+    async def _download_once(self, addresses: list[str], min_epoch: int, max_donors: int) -> tuple[int, Any]:
+        """The state of the first donor that answers at ``min_epoch`` or later (training goes on
+        while adverts travel, so a donor is often an epoch or more past what it advertised).
+        Removes from ``addresses`` every donor that failed, or that answered but could not serve."""
         meta = None
-        for address in list(addresses):
+        while addresses and meta is None:
+            address = addresses.pop(0)
             try:
                 meta = await self.node.p2p.call(address, self.meta_method, None, timeout=self.rpc_timeout)
             except P2PError as e:
                 logger.info("state donor %s failed: %s", address, e)
-                addresses.remove(address)
                 continue
-            if isinstance(meta, dict) and isinstance(meta.get("epoch"), int) and meta["epoch"] >= epoch:
-                addresses.remove(address)
-                addresses.insert(0, address)  # the donor that answered serves first
-                break
-            meta = None
+            if not (isinstance(meta, dict) and isinstance(meta.get("epoch"), int) and meta["epoch"] >= min_epoch):
+                meta = None
         if meta is None:
-            raise StateUnavailable(f"no donor answered for epoch {epoch} or later")
+            raise StateUnavailable(f"no donor answered for epoch {min_epoch} or later")
         epoch = meta["epoch"]
         n, sums = int(meta["n"]), list(meta["sums"])
         got: dict[int, torch.Tensor] = {}
         pending = list(range(n))
-        alive = list(addresses)
+        alive = [address, *addresses]  # the donor that answered serves first; others at its epoch help
         while pending and alive:  # share what is missing among live donors; drop those that fail
             use = alive[:max_donors]
             shares = [pending[k::len(use)] for k in range(len(use))]
