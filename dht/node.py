@@ -118,11 +118,13 @@ class DHTNode:
     @classmethod
     async def create(cls, initial_peers: Sequence[str | PeerAddress] = (), *, host: str = "127.0.0.1",
                      port: int = 0, client_mode: bool = False, identity: Identity | None = None,
-                     p2p: P2P | None = None, p2p_options: dict | None = None, **options: Any) -> DHTNode:
+                     announce_host: str | None = None, p2p: P2P | None = None, p2p_options: dict | None = None,
+                     **options: Any) -> DHTNode:
         """Start a node (on its own P2P unless ``p2p`` is given) and join via ``initial_peers``."""
         owns = p2p is None
         if p2p is None:
-            p2p = await P2P.create(host, port, client_mode=client_mode, identity=identity, **(p2p_options or {}))
+            p2p = await P2P.create(host, port, client_mode=client_mode, identity=identity,
+                                   announce_host=announce_host, **(p2p_options or {}))
         node = cls(p2p, owns_p2p=owns, **options)
         try:
             if initial_peers:

@@ -19,21 +19,85 @@ def _demo(args: argparse.Namespace) -> int:
     return up(args.config, args.duration, _console())
 
 
-def _up(args: argparse.Namespace) -> int:
-    from .cluster import up
+def _ray_address(value: str) -> str:
+    """argparse type of ``--address``: the rule of the YAML key ``ray.address``."""
+    from .config import check_ray_address
+
+    try:
+        return check_ray_address(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _head_address(value: str) -> str:
+    """argparse type of ``--head``: a HOST:PORT that joining nodes dial ("auto" means nothing there)."""
+    if value == "auto":
+        raise argparse.ArgumentTypeError("'auto' finds a cluster from inside it; a joining node needs HOST:PORT")
+    return _ray_address(value)
+
+
+def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
+    """``up`` or ``resume``: a bad config or an unreachable cluster is one clear message, no traceback."""
+    from . import cluster
     from .config import ConfigError
 
     try:
-        return up(args.config, args.duration, _console())
+        return getattr(cluster, command)(target, args.duration, _console(), address=args.address)
     except ConfigError as e:
-        print(f"spotswarm up: invalid config, nothing started:\n{e}", file=sys.stderr)
+        print(f"spotswarm {command}: invalid config, nothing started:\n{e}", file=sys.stderr)
         return 2
+    except cluster.RayConnectError as e:
+        print(f"spotswarm {command}: {e}", file=sys.stderr)
+        return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    return _foreground("up", args.config, args)
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from .cluster import resume
+    return _foreground("resume", args.run, args)
 
-    return resume(args.run, args.duration, _console())
+
+def validate(path: str) -> tuple[bool, str]:
+    """Check a cluster YAML as ``up`` would, starting nothing (no Ray, no run directory): whether
+    it is valid, and the summary line or every problem."""
+    from .config import ConfigError, load_cluster_config
+
+    try:
+        config = load_cluster_config(path)
+    except ConfigError as e:
+        return False, str(e)
+    types = config.available_node_types
+    low = sum(t.min_workers for t in types.values())
+    return True, (f"{path}: valid (provider {config.provider.type}, mode {config.provider.mode}, "
+                  f"{len(types)} node type{'s' if len(types) != 1 else ''}, {low}..{config.max_instances()} instances)")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    ok, text = validate(args.config)
+    print(text, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 2
+
+
+def _bootstrap_script(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_cluster_config
+
+    try:
+        config = load_cluster_config(args.config)
+    except ConfigError as e:
+        print(f"spotswarm bootstrap-script: invalid config:\n{e}", file=sys.stderr)
+        return 2
+    if args.node_type not in config.available_node_types:
+        known = ", ".join(sorted(config.available_node_types))
+        print(f"spotswarm bootstrap-script: {args.config}: no node type {args.node_type!r} in "
+              f"available_node_types (known: {known})", file=sys.stderr)
+        return 2
+    from .bootstrap import render_boot_script
+
+    head = args.head if args.head is not None else "<HEAD_ADDRESS>"
+    print(render_boot_script(config, args.node_type, head, args.instance_id), end="")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -84,7 +148,7 @@ def _worker(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("run", "task", "mode", "initial_peers", "host", "port", "client_mode",
                                                 "identity_path", "target_batch_size", "max_epochs", "max_seconds",
                                                 "seed", "report_file", "compression", "min_peers", "moshpit_grid",
-                                                "averaging_period")}
+                                                "group_size", "averaging_period")}
     return run_worker(args.config, overrides)
 
 
@@ -99,18 +163,33 @@ def build_parser() -> argparse.ArgumentParser:
     upp = sub.add_parser("up", help="start a run from a cluster YAML (foreground; Ctrl-C stops it cleanly)")
     upp.add_argument("config", help="cluster YAML, e.g. cluster_configs/local.yaml")
     upp.add_argument("--duration", type=float, help="stop after this many seconds")
+    upp.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
+                     help="join this Ray cluster instead of starting one (overrides ray.address)")
     upp.set_defaults(func=_up)
     res = sub.add_parser("resume", help="continue a run after its fleet, supervisor or Ray died")
     res.add_argument("run", help="run directory, e.g. runs/local-demo")
     res.add_argument("--duration", type=float, help="stop after this many seconds")
+    res.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
+                     help="join this Ray cluster instead of starting one (overrides ray.address)")
     res.set_defaults(func=_resume)
+    va = sub.add_parser("validate", help="check a cluster YAML without starting anything")
+    va.add_argument("config", help="cluster YAML")
+    va.set_defaults(func=_validate)
+    bs = sub.add_parser("bootstrap-script", help="print the boot script an instance of a node type runs")
+    bs.add_argument("config", help="cluster YAML")
+    bs.add_argument("node_type", metavar="NODE_TYPE", help="a key of available_node_types")
+    bs.add_argument("--head", type=_head_address, metavar="HOST:PORT",
+                    help="the Ray head to join (default: a <HEAD_ADDRESS> placeholder)")
+    bs.add_argument("--instance-id", default="<INSTANCE_ID>", metavar="ID",
+                    help="the instance's id (default: an <INSTANCE_ID> placeholder)")
+    bs.set_defaults(func=_bootstrap_script)
     st = sub.add_parser("status", help="headline figures of a run: throughput, instances, cost, savings")
     st.add_argument("run", help="run directory")
     st.set_defaults(func=_status)
     db = sub.add_parser("dashboard", help="serve a run's cost and throughput dashboard (live or finished)")
     db.add_argument("run", help="run directory")
     db.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    db.add_argument("--port", type=int, default=8265, help="port to listen on (default 8265; 0: any free port)")
+    db.add_argument("--port", type=int, default=8270, help="port to listen on (default 8270; 0: any free port)")
     db.add_argument("--open", action="store_true", help="open it in the default browser")
     db.set_defaults(func=_dashboard)
     rp = sub.add_parser("report", help="write a static HTML report with PNG plots of a run")
@@ -178,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--report-file", metavar="PATH", help="append one JSON line per epoch")
     wk.add_argument("--min-peers", type=int, help="wait until this many peers are up before training")
     wk.add_argument("--moshpit-grid", type=int, nargs="+", metavar="M", help="Moshpit grid, e.g. 2 2 (mode moshpit)")
+    wk.add_argument("--group-size", type=int, help="largest averaging group (default 16)")
     wk.add_argument("--averaging-period", type=int, help="local steps between Moshpit averaging rounds")
     wk.set_defaults(func=_worker)
     return parser

@@ -8,12 +8,14 @@ of ``--duration``) stop cleanly: every instance is released and the run's data i
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+import tenacity
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -24,18 +26,64 @@ from .figures import PID_FILE
 from .run_store import RunStore
 
 
-def _start_ray(num_cpus: int = 2) -> None:
+class RayConnectError(RuntimeError):
+    """Ray could not be started or joined; the message says what to check."""
+
+
+def _start_ray(address: str | None, num_cpus: int = 2) -> None:
+    """A local Ray session (``address`` None), or the existing cluster at ``address``."""
     import ray
 
-    for attempt in range(3):  # a fresh ray.init occasionally fails on a busy machine; it is cheap to retry
-        try:
-            ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False,
-                     configure_logging=False, namespace="spotswarm")
+    options = dict(include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="spotswarm")
+    if address is None:
+        options.update(address="local", num_cpus=num_cpus)  # "local": never a cluster left over on this box
+    else:
+        options.update(address=address)
+        options.pop("include_dashboard")
+    # a fresh local ray.init occasionally fails on a busy machine; joining retries through a head restart
+    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_fixed(1.0), reraise=True)
+    try:
+        retrying(ray.init, **options)
+    except Exception as e:
+        if address is None:
+            raise
+        raise RayConnectError(
+            f"cannot join the Ray cluster at {address}: {e}. Check that its head runs (`ray start --head`), "
+            "that this machine reaches it, and, with token authentication, that RAY_AUTH_MODE=token and "
+            "RAY_AUTH_TOKEN (or ~/.ray/auth_token) hold the head's token") from None
+    _quiet_worker_deaths()
+
+
+def _quiet_worker_deaths() -> None:
+    """Ray prints a paragraph on the driver's stdout for every worker process that dies ("A worker
+    died or was killed ... OOM killer ...").  On a spot fleet a dead worker is a preemption, which
+    the supervisor reports in one line of its own, so those paragraphs go to the debug log."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "spotswarm_quiet", False):
+        return
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet" and any("worker died or was killed" in line.lower()
+                                                for line in data.get("lines", ())):
+            logging.getLogger("spotswarm.ray").debug("%s", " ".join(data["lines"]))
             return
-        except Exception:
-            if attempt == 2:
-                raise
-            time.sleep(1.0)
+        original(data, ignore_prefix)
+
+    print_to_stdstream.spotswarm_quiet = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+def _with_absolute_paths(config: ClusterConfig) -> ClusterConfig:
+    """Paths as this command sees them: the supervisor's working directory is Ray's, not ours."""
+    provider, checkpoint = config.provider, config.checkpoint
+    if provider.trace_file:
+        provider = provider.model_copy(update={"trace_file": str(Path(provider.trace_file).resolve())})
+    if checkpoint.directory:
+        checkpoint = checkpoint.model_copy(update={"directory": str(Path(checkpoint.directory).resolve())})
+    return config.model_copy(update={"provider": provider, "checkpoint": checkpoint,
+                                     "runs_dir": str(Path(config.runs_dir).resolve())})
 
 
 def _status_table(status: dict) -> Table:
@@ -63,11 +111,22 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
     (run_dir / PID_FILE).write_text(str(os.getpid()))
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    _start_ray()
     supervisor = None
     try:
-        supervisor = Supervisor.options(name=f"supervisor-{config.cluster_name}").remote(
-            config.model_dump(mode="json"), str(run_dir))
+        _start_ray(config.ray.address)
+        name = f"supervisor-{config.cluster_name}"
+        try:
+            ray.get_actor(name)
+            raise RayConnectError(f"run {config.cluster_name} already has a supervisor on this Ray cluster; "
+                                  f"stop it first (spotswarm down {run_dir})")
+        except ValueError:
+            pass  # none yet: ours will be the only one
+        # on the head node, detached on a cluster: the run goes on if this command loses its connection
+        options: dict = {"name": name, "resources": {"node:__internal_head__": 0.001}}
+        if config.ray.address is not None:
+            options["lifetime"] = "detached"
+        supervisor = Supervisor.options(**options).remote(_with_absolute_paths(config).model_dump(mode="json"),
+                                                          str(run_dir.resolve()))
         address = ray.get(supervisor.address.remote(), timeout=120)
         console.print(f"run directory: {run_dir}")
         console.print(f"bootstrap peer: {address}")
@@ -76,12 +135,17 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
             console.print(f"dashboard: {dashboard_url}")
         started = time.monotonic()
         status = ray.get(supervisor.status.remote(), timeout=60)
+        seen = 0
         with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
             while not stop.is_set():
                 if duration is not None and time.monotonic() - started >= duration:
                     break
                 stop.wait(1.0)
                 status = ray.get(supervisor.status.remote(), timeout=60)
+                fresh = status["fleet_events_total"] - seen
+                for line in status["fleet_events"][-fresh:] if fresh > 0 else []:
+                    console.print(line)
+                seen = status["fleet_events_total"]
                 live.update(_status_table(status))
                 if status["budget_exhausted"]:
                     break
@@ -91,7 +155,8 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
     finally:
         if supervisor is not None:
             ray.kill(supervisor)
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         (run_dir / PID_FILE).unlink(missing_ok=True)
@@ -117,8 +182,9 @@ def print_summary(run_dir: Path, console: Console) -> None:
     console.print(table)
 
 
-def up(config_path: str, duration: float | None, console: Console) -> int:
+def up(config_path: str, duration: float | None, console: Console, address: str | None = None) -> int:
     config = load_cluster_config(config_path)  # ConfigError before anything starts
+    config = config.with_ray_address(address)
     store = RunStore.create(config)
     store.close()
     run_dir = config.run_dir()
@@ -127,10 +193,10 @@ def up(config_path: str, duration: float | None, console: Console) -> int:
     return 0
 
 
-def resume(run_dir: str, duration: float | None, console: Console) -> int:
+def resume(run_dir: str, duration: float | None, console: Console, address: str | None = None) -> int:
     path = Path(run_dir)
     store = RunStore.open(path)
-    config = store.config()
+    config = store.config().with_ray_address(address)
     latest = store.latest_checkpoint()
     store.event("resume", detail={"checkpoint_epoch": latest[0] if latest else None})
     store.close()

@@ -11,15 +11,13 @@ it also serves the newest checkpoint as a state donor, so new workers continue f
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
-import tenacity
 import torch
 
 from dht import DHT, SignatureValidator
@@ -27,9 +25,12 @@ from p2p import Identity
 from workers.progress import ProgressTracker
 from workers.state import StateSharer, StateUnavailable
 
+from .bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from .config import ClusterConfig
-from .providers import Instance, make_provider
-from .run_store import InstanceRecord, RunStore, summarize_costs
+from .policy import FleetPolicy
+from .providers import Instance, LaunchSpec, make_provider
+from .ray_workers import RayWorkers
+from .run_store import RunStore, summarize_costs
 
 logger = logging.getLogger(__name__)
 
@@ -50,57 +51,102 @@ class SimClock:
         return simulated_seconds / self.scale
 
 
-@dataclass
-class _Pending:
-    node_type: str
-    zone: str
-    market: str
-    ready_at: float
-
-
 class SupervisorCore:
-    """The logic, runnable in any process; ``Supervisor`` wraps it in a Ray actor."""
+    """The supervisor's work, runnable in any process; ``Supervisor`` wraps it in a Ray actor.
+    Fleet decisions are the ``FleetPolicy``'s; this adds the run's DHT peer, progress records,
+    checkpoints and the dashboard."""
 
     def __init__(self, config: ClusterConfig, run_dir: Path, tick_s: float = 0.2) -> None:
         self.config = config
         self.tick_s = tick_s
         self.store = RunStore(run_dir)
         last = self.store.last_time()
-        if last is not None and self.store.close_lost_instances(last):
-            logger.warning("instances of the previous supervisor were lost with it; their cost ends at %.0f", last)
         scale = config.provider.time_scale if config.provider.type == "local" else 1.0
         self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
         self.store.clock = self.clock
-        self.provider = make_provider(config, self.clock)
         identity = Identity.from_file(self.store.dir / "head.key")
-        self.dht = DHT([], identity=identity, validators=[SignatureValidator(identity)])
+        self.dht = self._start_dht(identity)
         signer = SignatureValidator(identity)
         self.tracker = self.dht.run_coroutine(lambda n: _make(ProgressTracker, n, config.cluster_name,
                                                                config.training.target_batch_size, signer))
         self.checkpoint_state: tuple[int, Any] | None = None
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
                                                              self._serve_checkpoint))
-        self.pending: list[_Pending] = []
-        self.live: dict[str, Instance] = {}
-        self.noticed: set[str] = set()
-        self.left: set[str] = set()
-        self.preemptions: deque[tuple[float, str]] = deque()
+        self.policy = FleetPolicy(config, make_provider(config, self.clock, run_dir), self.clock, self.store,
+                                  RayWorkers(), self._worker_args, boot_script=self._boot_script,
+                                  to_real=self.clock.to_real)
+        self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
         self.epoch = self.store.latest_epoch()
-        self.status_text = "starting"
-        self.budget_exhausted = False
+        self._first_seen: dict[str, int] = {}  # instance id -> the epoch its peer first reported
         self._last_checkpoint = self.clock()
         self._last_advert = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._load_checkpoint()
         self.dashboard: Any = None
+        adopted = self.policy.adopt(lost_at=last)
+        if adopted:
+            logger.info("adopted %d live instances of this run: %s", len(adopted), ", ".join(adopted))
+            self._rejoin([self.policy.live[i] for i in adopted])
         # the clock goes into the store so that readers in other processes can tell the run's "now"
-        self.store.event("supervisor_start", detail={"resumed_epoch": self.epoch, "clock": {
+        self.store.event("supervisor_start", detail={"resumed_epoch": self.epoch, "adopted": adopted,
+                                                     "ray_node": _ray_node(), "clock": {
             "scale": self.clock.scale, "wall0": self.clock.wall0, "origin": self.clock.origin}})
+
+    def _start_dht(self, identity: Identity) -> DHT:
+        """The run's bootstrap peer, on the port it had before when it can: a restarted supervisor
+        stays where the workers it adopts look for it."""
+        listen = self.config.listen_host()
+        port_file = self.store.dir / "head.port"
+        port = int(port_file.read_text()) if port_file.exists() else 0
+        options = dict(identity=identity, validators=[SignatureValidator(identity)], host=listen,
+                       announce_host=_announce_host(self.config, listen))
+        try:
+            dht = DHT([], port=port, **options)
+        except OSError as e:
+            logger.warning("the run's DHT port %d is taken (%s); the workers find the new one through the DHT", port, e)
+            dht = DHT([], **options)
+        port_file.write_text(str(dht.node.p2p.address.port))
+        return dht
+
+    def _rejoin(self, instances: list[Instance]) -> None:
+        """Meet the adopted workers in the DHT (a new bootstrap peer starts knowing nobody)."""
+        addresses = [r["address"] for i in instances if (r := self.policy.workers.running(i)) and r.get("address")]
+        if not addresses:
+            return
+        try:
+            self.dht.run_coroutine(lambda n: n.bootstrap(addresses))
+        except Exception as e:  # they will find us through their routing tables anyway
+            logger.warning("could not reach the adopted workers' DHT peers: %s", e)
 
     @property
     def address(self) -> str:
         return self.dht.addresses[0]
+
+    @property
+    def live(self) -> dict[str, Instance]:
+        return self.policy.live
+
+    @property
+    def budget_exhausted(self) -> bool:
+        return self.policy.budget_exhausted
+
+    def _worker_args(self) -> dict[str, Any]:
+        net = self.config.network
+        return self.config.worker_config([self.address], host=self.config.listen_host(),
+                                         announce_host=net.announce_host).model_dump()
+
+    def _boot_script(self, spec: LaunchSpec) -> str | None:
+        """Machines that join the run's Ray cluster get a boot script; simulated actors do not."""
+        if self.config.provider.type == "local" and self.config.provider.mode == "actors":
+            return None
+        token = ray_auth_token()
+        if token and self.config.provider.type == "local":
+            token = "$RAY_AUTH_TOKEN"  # the simulator hands the secret over in the environment, not in a file
+        return render_boot_script(self.config, spec.node_type, ray.get_runtime_context().gcs_address,
+                                  spec.instance_id, auth_token=token,
+                                  ray_command=str(Path(sys.executable).with_name("ray")),
+                                  node_ip=NODE_IP_SHELL if self.config.provider.namespaces else None)
 
     # ---- lifetime ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,8 +178,7 @@ class SupervisorCore:
         self.store.event("dashboard", detail={"url": url})
         return url
 
-    def stop(self) -> None:
-        """Release every instance (gracefully), keep the run's data."""
+    def _halt(self) -> None:
         self._stop.set()
         if self.dashboard is not None:
             try:
@@ -142,149 +187,38 @@ class SupervisorCore:
                 logger.exception("stopping the dashboard failed")
         if self._thread is not None:
             self._thread.join(timeout=60)
-        for inst in list(self.live.values()):
-            self.provider.terminate(inst)
-            self._ended(inst.id, "released")
+
+    def stop(self) -> None:
+        """Release every instance (gracefully), keep the run's data."""
+        self._halt()
+        self.policy.release_all()
+        self.policy.shutdown()
         self.store.event("supervisor_stop")
+        self.dht.shutdown()
+        self.store.close()
+
+    def detach(self) -> None:
+        """Stop supervising but leave the fleet running, for the next supervisor to adopt."""
+        self._halt()
+        self.policy.shutdown()
+        self.store.event("supervisor_detach")
         self.dht.shutdown()
         self.store.close()
 
     # ---- one tick ------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
-        self._forward_notices(now)
-        self._record_leaves()
-        for instance_id in self.provider.poll_terminated(now):
-            self._ended(instance_id, "preempted" if instance_id in self.noticed else "died")
+        self.policy.tick()
         self._record_progress()
         self._maybe_checkpoint(now)
-        self._enforce_budget(now)
-        if not self.budget_exhausted:
-            self._reconcile(now)
-            self._launch_due(now)
         self._refresh_advert(now)
-
-    def _forward_notices(self, now: float) -> None:
-        for notice in self.provider.poll_notices(now):
-            inst = self.live.get(notice.instance_id)
-            if inst is None:
-                continue
-            self.noticed.add(inst.id)
-            self.store.update_instance(inst.id, notice_at=notice.notice_at)
-            self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at})
-            deadline = max(self.clock.to_real(notice.terminate_at - now) * 0.8, 0.5)
-            self.provider.notify(inst, deadline)
-
-    def _record_leaves(self) -> None:
-        waiting = [i for i in self.noticed if i in self.live and i not in self.left]
-        poll = getattr(self.provider, "poll_left", None)
-        if not waiting or poll is None:
-            return
-        for instance_id in poll(waiting):
-            self.left.add(instance_id)
-            self.store.event("left", instance_id)  # the worker left gracefully before the kill
-
-    def _ended(self, instance_id: str, reason: str) -> None:
-        inst = self.live.pop(instance_id, None)
-        if inst is None:
-            return
-        now = self.clock()
-        self.store.update_instance(instance_id, ended_at=now, end_reason=reason)
-        self.store.event(reason, instance_id)
-        if reason == "preempted":
-            self.preemptions.append((now, inst.zone))
-
-    # ---- fleet ---------------------------------------------------------------------------------
-    def _reconcile(self, now: float) -> None:
-        for name, node_type in self.config.available_node_types.items():
-            have = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
-            have += sum(1 for p in self.pending if p.node_type == name)
-            while have < node_type.max_workers:
-                zone, market = self._choose_zone(name, now)
-                price = self.provider.price(name, zone, market)
-                if not self._affordable(price, now):
-                    if have < node_type.min_workers:
-                        self.status_text = f"budget: cannot launch {name} (min_workers {node_type.min_workers})"
-                    break
-                delay = getattr(self.provider, "provisioning_delay", 0.0)
-                self.pending.append(_Pending(name, zone, market, now + delay))
-                self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market})
-                have += 1
-
-    def _choose_zone(self, node_type: str, now: float) -> tuple[str, str]:
-        spot = self.config.spot
-        window = [z for t, z in self.preemptions if now - t <= spot.fallback_window_s]
-        market = "spot" if spot.market == "spot" and self.config.available_node_types[node_type].spot else "on-demand"
-        if market == "spot" and spot.fallback_to_on_demand_after and len(window) >= spot.fallback_to_on_demand_after:
-            market = "on-demand"
-        if market == "spot" and spot.max_price_per_hour is not None:
-            affordable = [z for z in self.config.provider.zones
-                          if self.provider.price(node_type, z, "spot") <= spot.max_price_per_hour]
-            if not affordable:
-                market = "on-demand"
-
-        def score(zone: str) -> float:  # cheaper, and fewer recent preemptions, is better
-            return self.provider.price(node_type, zone, market) * (1 + 0.5 * window.count(zone))
-
-        return min(self.config.provider.zones, key=score), market
-
-    def _affordable(self, price: float, now: float) -> bool:
-        budget = self.config.budget
-        rate = sum(i.price_per_hour for i in self.live.values()) + sum(
-            self.provider.price(p.node_type, p.zone, p.market) for p in self.pending)
-        if budget.max_dollars_per_hour is not None and rate + price > budget.max_dollars_per_hour + 1e-9:
-            return False
-        if budget.max_total_dollars is not None:
-            spent = summarize_costs(self.store, now).dollars
-            horizon_h = max(self.config.checkpoint.every_s, 60.0) / 3600  # room to notice and stop in time
-            if spent + (rate + price) * horizon_h > budget.max_total_dollars:
-                return False
-        return True
-
-    def _enforce_budget(self, now: float) -> None:
-        total = self.config.budget.max_total_dollars
-        if total is None or self.budget_exhausted:
-            return
-        rate = sum(i.price_per_hour for i in self.live.values())
-        spent = summarize_costs(self.store, now).dollars
-        # stop while there is still room for the instances' next tick of spending
-        margin = rate * self.clock.scale * self.tick_s * 3 / 3600
-        if spent + margin >= total:
-            self.budget_exhausted = True
-            self.status_text = f"budget exhausted: ${spent:.4f} of ${total:.2f}; instances released"
-            self.store.event("budget_exhausted", detail={"spent": spent, "max_total_dollars": total})
-            self.pending.clear()
-            for inst in list(self.live.values()):
-                self.provider.terminate(inst)
-                self._ended(inst.id, "budget")
-
-    @tenacity.retry(stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential(multiplier=0.5, max=5),
-                    reraise=True)
-    def _launch_with_retries(self, p: _Pending) -> Instance:
-        args = self.config.worker_config([self.address]).model_dump()
-        return self.provider.launch(p.node_type, p.zone, p.market, args)
-
-    def _launch_due(self, now: float) -> None:
-        due = [p for p in self.pending if p.ready_at <= now]
-        for p in due:
-            self.pending.remove(p)
-            try:
-                inst = self._launch_with_retries(p)
-            except Exception as e:
-                self.store.event("launch_failed", detail={"node_type": p.node_type, "zone": p.zone, "error": str(e)})
-                logger.warning("launching %s in %s failed: %s", p.node_type, p.zone, e)
-                continue
-            self.live[inst.id] = inst
-            od = self.config.available_node_types[p.node_type].on_demand_price_per_hour
-            self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
-                                               od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
-            self.status_text = "running"
 
     # ---- progress and checkpoints --------------------------------------------------------------
     def _record_progress(self) -> None:
         peers = self.dht.run_coroutine(lambda n: self.tracker.peers())
         if not peers:
             return
+        self._record_first_steps(peers)
         epoch = max(p.epoch for p in peers.values())
         if epoch <= self.epoch:
             return
@@ -294,6 +228,19 @@ class SupervisorCore:
         self.store.progress(epoch, sum(losses) / len(losses) if losses else None,
                             sum(p.samples_per_second for p in current), len(peers),
                             epoch * self.config.training.target_batch_size)
+
+    def _record_first_steps(self, peers: dict) -> None:
+        """An instance's first averaged step: its peer's epoch moves past the one it started at
+        (how long a replacement takes to contribute, from the kill it replaced)."""
+        by_peer = {i.tags["peer_id"]: i.id for i in list(self.policy.live.values()) if i.tags.get("peer_id")}
+        for subkey, record in peers.items():  # a subkey is the owner's signature marker + its peer id
+            instance_id = next((i for p, i in by_peer.items() if subkey.endswith(p)), None)
+            if instance_id is None or self._first_seen.get(instance_id) == -1:
+                continue
+            first = self._first_seen.setdefault(instance_id, record.epoch)
+            if record.epoch > first:
+                self._first_seen[instance_id] = -1
+                self.store.event("first_step", instance_id, {"epoch": record.epoch})
 
     def _maybe_checkpoint(self, now: float) -> None:
         if now - self._last_checkpoint < self.config.checkpoint.every_s:
@@ -344,14 +291,34 @@ class SupervisorCore:
         now = self.clock()
         costs = summarize_costs(self.store, now)
         rows = self.store.progress_rows()
+        policy = self.policy
         return {
-            "cluster": self.config.cluster_name, "status": self.status_text, "time": now,
-            "live": len(self.live), "pending": len(self.pending), "epoch": self.epoch,
+            "cluster": self.config.cluster_name, "status": policy.status_text, "time": now,
+            "live": len(policy.live), "pending": len(policy.pending) + policy.launching, "epoch": self.epoch,
             "loss": rows[-1][2] if rows else None, "samples_per_second": rows[-1][3] if rows else None,
             "peers": rows[-1][4] if rows else 0, "dollars": costs.dollars, "on_demand_dollars": costs.on_demand_dollars,
             "preemptions": costs.preemptions, "samples": costs.samples, "address": self.address,
-            "budget_exhausted": self.budget_exhausted,
+            "budget_exhausted": policy.budget_exhausted,
+            "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
         }
+
+
+def _ray_node() -> dict:
+    """Which Ray node the supervisor runs on (it belongs on the head)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    info = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    return {"id": node_id, "ip": info.get("NodeManagerAddress"),
+            "head": "node:__internal_head__" in info.get("Resources", {})}
+
+
+def _announce_host(config: ClusterConfig, listen: str) -> str | None:
+    """Where other machines reach a peer listening on ``listen``: as configured, else its Ray
+    node's address when it listens on every interface."""
+    if config.network.announce_host:
+        return config.network.announce_host
+    if listen in ("0.0.0.0", "::"):
+        return ray.util.get_node_ip_address()
+    return None
 
 
 async def _make(cls: Any, *args: Any) -> Any:

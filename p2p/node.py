@@ -165,14 +165,17 @@ class P2P:
 
     @classmethod
     async def create(cls, host: str = "127.0.0.1", port: int = 0, *, client_mode: bool = False,
-                     **kwargs: Any) -> P2P:
-        """Start a peer; it listens on ``host:port`` (port 0 picks a free one) unless ``client_mode``."""
+                     announce_host: str | None = None, **kwargs: Any) -> P2P:
+        """Start a peer; it listens on ``host:port`` (port 0 picks a free one) unless ``client_mode``.
+
+        ``announce_host`` is the host others dial: a peer listening on 0.0.0.0 must announce the
+        address other machines reach it at (its node's IP), never the wildcard."""
         node = cls(client_mode=client_mode, **kwargs)
         if not client_mode:
             node._server = await node.loop.create_server(
                 lambda: Connection(node, dialer=False), host, port, reuse_address=True)
             sock_host, sock_port = node._server.sockets[0].getsockname()[:2]
-            node.address = PeerAddress(sock_host, sock_port, node.peer_id)
+            node.address = PeerAddress(announce_host or sock_host, sock_port, node.peer_id)
         node._sweeper = node.loop.create_task(node._sweep_idle())
         return node
 

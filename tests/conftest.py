@@ -66,7 +66,8 @@ def ray_session(request):
     ray = pytest.importorskip("ray")
     for attempt in range(3):
         try:
-            ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False,
+            # address="local": a session of our own, never a cluster some other process left behind
+            ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
                      namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")
             break
         except Exception:

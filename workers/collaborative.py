@@ -59,6 +59,7 @@ class CollaborativeOptimizer:
         self.target_batch_size = target_batch_size
         self.report_interval = report_interval
         self.averaging_timeout = averaging_timeout
+        self.max_group_size = max_group_size
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.epoch = 0
         self.local_samples = 0
@@ -130,6 +131,9 @@ class CollaborativeOptimizer:
         if alone:
             result = StepResult(group_size=1)
         else:
+            if progress.live_peers > self.max_group_size:
+                logger.warning("epoch %d: %d live peers but groups hold at most %d: the groups will step apart; "
+                               "raise group_size", self.epoch, progress.live_peers, self.max_group_size)
             # wait for every live peer, including one whose record still shows the previous epoch
             # (it is about to report this one); the matchmaking time bounds the wait for a dead one
             result = self._call(lambda n: self._average(progress.live_peers))

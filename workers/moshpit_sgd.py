@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 class MoshpitSGD:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, *, grid: Sequence[int],
                  averaging_period: int = 10, min_matchmaking_time: float = 0.5, request_timeout: float = 1.0,
-                 averaging_timeout: float = 30.0, compression: str | Codec = Codec.NONE) -> None:
+                 averaging_timeout: float = 30.0, compression: str | Codec = Codec.NONE,
+                 max_group_size: int | None = None) -> None:
         self.optimizer = optimizer
         self.dht = dht
         self.averaging_period = averaging_period
@@ -33,10 +34,13 @@ class MoshpitSGD:
         self._last_report = 0.0
         copies = [p.detach().float().clone() for p in self.params]
         signer = _signer(dht)
+        # the grid sets the group size (max(grid) peers meet per round); max_group_size only caps it
+        largest = max(grid, default=1)  # an empty grid is refused by the averager, with its reason
+        target_group_size = largest if max_group_size is None else min(max_group_size, largest)
 
         async def build(node: DHTNode) -> tuple[MoshpitAverager, ProgressTracker]:
             # short matchmaking: a peer alone on its grid key should get back to training quickly
-            averager = MoshpitAverager(copies, node, f"{run}_params", grid=grid,
+            averager = MoshpitAverager(copies, node, f"{run}_params", grid=grid, target_group_size=target_group_size,
                                        min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                                        allreduce_timeout=averaging_timeout, compression=compression)
             # progress is published as in collaborative runs, for start-up and for the orchestrator

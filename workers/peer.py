@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +37,7 @@ class WorkerConfig(pydantic.BaseModel):
     mode: Literal["collaborative", "moshpit"] = "collaborative"
     initial_peers: list[str] = []
     host: str = "127.0.0.1"
+    announce_host: str | None = None  # the address other machines reach (default: the host we listen on)
     port: int = pydantic.Field(0, ge=0, le=65535)
     client_mode: bool = False
     identity_path: str | None = None
@@ -44,6 +46,7 @@ class WorkerConfig(pydantic.BaseModel):
     min_matchmaking_time: float = pydantic.Field(2.0, gt=0)
     averaging_timeout: float = pydantic.Field(30.0, gt=0)
     moshpit_grid: list[int] = [2, 2]
+    group_size: int = pydantic.Field(16, ge=2)  # the largest averaging group (moshpit: also at most max(grid))
     averaging_period: int = pydantic.Field(10, gt=0)
     max_epochs: int | None = pydantic.Field(None, gt=0)
     max_seconds: float | None = pydantic.Field(None, gt=0)
@@ -69,22 +72,25 @@ class TrainingPeer:
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
         identity = Identity.from_file(config.identity_path) if config.identity_path else Identity()
         self.dht = DHT(config.initial_peers, host=config.host, port=config.port, client_mode=config.client_mode,
-                       identity=identity, validators=[SignatureValidator(identity)])
+                       announce_host=config.announce_host, identity=identity,
+                       validators=[SignatureValidator(identity)])
         self.optimizer: CollaborativeOptimizer | MoshpitSGD
         if config.mode == "collaborative":
             self.optimizer = CollaborativeOptimizer(
                 optimizer, self.dht, config.run, config.target_batch_size, scheduler=scheduler,
                 compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
-                averaging_timeout=config.averaging_timeout)
+                averaging_timeout=config.averaging_timeout, max_group_size=config.group_size)
         else:
             self.optimizer = MoshpitSGD(optimizer, self.dht, config.run, grid=config.moshpit_grid,
                                         averaging_period=config.averaging_period,
-                                        averaging_timeout=config.averaging_timeout, compression=config.compression)
+                                        averaging_timeout=config.averaging_timeout, compression=config.compression,
+                                        max_group_size=config.group_size)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._leave_at: float | None = None  # monotonic time by which a noticed peer stops training
         self._epoch_s: float | None = None  # how long the last global epoch took, seen from here
         self._report = Path(config.report_file).open("a") if config.report_file else None
+        self.history: deque[dict] = deque(maxlen=10_000)  # the per-epoch records, newest last
 
     @property
     def address(self) -> str | None:
@@ -146,9 +152,10 @@ class TrainingPeer:
     def _log_epoch(self, loss: float, samples_per_second: float) -> None:
         peers = self._peers()
         logger.info("epoch %d loss %.4f samples/s %.1f peers %d", self.epoch, loss, samples_per_second, peers)
+        record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
+                  "params": params_digest(list(self.model.parameters())), "time": time.time()}
+        self.history.append(record)
         if self._report is not None:
-            record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
-                      "params": params_digest(list(self.model.parameters())), "time": time.time()}
             self._report.write(json.dumps(record) + "\n")
             self._report.flush()
 

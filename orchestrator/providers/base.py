@@ -1,10 +1,43 @@
-"""The provider interface: launch, terminate, list, price, and preemption notices."""
+"""The provider contract: everything the supervisor asks of a cloud, and nothing else.
+
+Tags are the source of truth: every instance carries the run's tags, so a new supervisor finds
+the fleet of the one before it with ``list`` and adopts it instead of launching duplicates.
+Calls that talk to a cloud (``launch``, ``terminate``, ``list``, the two polls) may block; the
+supervisor's policy makes them off its tick, so a hanging API never delays a notice.  ``price``
+must answer at once (providers cache prices).
+"""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
 from typing import Any
+
+RUN_TAG = "spotswarm-run"
+INSTANCE_TAG = "spotswarm-instance"
+NODE_TYPE_TAG = "spotswarm-node-type"
+
+
+def instance_resource(instance_id: str) -> str:
+    """The Ray resource a machine advertises, so that its worker actor is placed on it."""
+    return f"spotswarm-instance-{instance_id}"
+
+
+@dataclass
+class LaunchSpec:
+    """One machine to start.  ``instance_id`` is the run's name for it (also in ``tags``), chosen
+    before the launch so that the boot script can name the machine's Ray resource after it."""
+
+    instance_id: str
+    node_type: str
+    zone: str
+    market: str  # "spot" or "on-demand"
+    tags: dict[str, str]
+    node_config: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict)
+    sequence: int = 0  # the run's launch number (0, 1, ...): a replayed trace's row for this instance
+    boot_script: str | None = None  # what the machine runs at boot: joins the run's Ray cluster
+    worker_args: dict[str, Any] = field(default_factory=dict)  # for providers that host the worker themselves
 
 
 @dataclass
@@ -16,7 +49,8 @@ class Instance:
     price_per_hour: float
     launched_at: float
     tags: dict[str, str] = field(default_factory=dict)
-    handle: Any = None  # provider-specific (a Ray actor for the local simulator)
+    handle: Any = None  # provider-specific: a cloud's own id, a process group, a Ray actor
+    hosts_worker: bool = False  # the provider started the worker itself (the light local simulator)
 
 
 @dataclass
@@ -29,21 +63,24 @@ class PreemptionNotice:
 class NodeProvider(abc.ABC):
     """What the supervisor needs from a cloud.  Times are the supervisor's clock (seconds)."""
 
+    #: seconds between asking for an instance and the cloud starting to bill it
+    provisioning_delay: float = 0.0
+
     @abc.abstractmethod
-    def launch(self, node_type: str, zone: str, market: str, worker_args: dict) -> Instance:
-        """Start one instance running a worker peer configured by ``worker_args``."""
+    def launch(self, spec: LaunchSpec) -> Instance:
+        """Ask for one machine; returns once the cloud accepted (it may still be booting)."""
 
     @abc.abstractmethod
     def terminate(self, instance: Instance) -> None:
         """Release an instance now (no notice)."""
 
     @abc.abstractmethod
-    def list(self) -> list[Instance]:
-        """Instances of this cluster that are alive."""
+    def list(self, tag_filters: dict[str, str]) -> list[Instance]:
+        """Live instances whose tags include every one of ``tag_filters``."""
 
     @abc.abstractmethod
     def price(self, node_type: str, zone: str, market: str) -> float:
-        """Dollars per hour."""
+        """Dollars per hour; answers at once."""
 
     @abc.abstractmethod
     def poll_notices(self, now: float) -> list[PreemptionNotice]:

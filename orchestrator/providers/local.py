@@ -1,4 +1,5 @@
 """The local spot simulator: each instance is a Ray actor (its own process) running one worker.
+(``mode: nodes``, each instance its own raylet, lives in ``local_nodes.py``.)
 
 Lifetimes come from a preemption model (exponential or Weibull, per node type) or from a
 replayable CSV trace; a preemption is a notice (the worker leaves gracefully) followed, after the
@@ -10,62 +11,21 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
 import random
 import signal
-import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 
 from ..config import ClusterConfig
-from .base import Instance, NodeProvider, PreemptionNotice
+from .base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
 
 logger = logging.getLogger(__name__)
-
-
-@ray.remote(num_cpus=0, max_restarts=0)
-class SimulatedInstance:
-    """One simulated machine: a worker peer training in a thread of this actor's process."""
-
-    def __init__(self) -> None:
-        self.peer: Any = None
-        self.thread: threading.Thread | None = None
-        self.left = threading.Event()
-
-    def start(self, worker_args: dict) -> dict:
-        import logging as _logging
-
-        from workers.peer import TrainingPeer, WorkerConfig  # imported here: only instances need torch
-
-        _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.peer = TrainingPeer(WorkerConfig(**worker_args))
-        self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
-        self.thread.start()
-        return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address}
-
-    def notice(self, deadline_s: float) -> None:
-        """A preemption notice: keep training through most of it, then leave gracefully in the
-        background, all within ``deadline_s``."""
-        def leave() -> None:
-            try:
-                # the last quarter is for finishing a round and withdrawing our records
-                self.peer.prepare_to_leave(deadline=deadline_s, train_for=0.75 * deadline_s)
-            finally:
-                self.left.set()
-        threading.Thread(target=leave, name="leaving", daemon=True).start()
-
-    def status(self) -> dict:
-        peer = self.peer
-        return {"epoch": peer.epoch if peer else 0, "left": self.left.is_set()}
-
-    def stop(self) -> None:
-        """Graceful stop without a notice period (used by ``down``)."""
-        if self.peer is not None and not self.left.is_set():
-            self.peer.prepare_to_leave(deadline=10.0)
-            self.left.set()
 
 
 @dataclass
@@ -75,22 +35,19 @@ class _Schedule:
     noticed: bool = False
 
 
-class LocalSpotProvider(NodeProvider):
+class SimulatedMarket:
+    """What both local modes share: per-zone prices, a provisioning delay, and each launch's
+    preemption schedule (drawn from the node type's lifetime model, or replayed from a trace)."""
+
     def __init__(self, config: ClusterConfig, clock: Any) -> None:
         self.config = config
         self.clock = clock
         self.rng = random.Random(config.provider.seed)
-        self.instances: dict[str, Instance] = {}
-        self.pids: dict[str, int] = {}
         self.schedules: dict[str, _Schedule] = {}
-        self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
-        self.failed: set[str] = set()
-        self.leave_checks: dict[str, Any] = {}
-        self.launches = 0
         self.trace = _read_trace(config.provider.trace_file) if config.provider.trace_file else None
 
     @property
-    def provisioning_delay(self) -> float:
+    def provisioning_delay(self) -> float:  # type: ignore[override]
         return self.config.provider.provisioning_delay_s
 
     def price(self, node_type: str, zone: str, market: str) -> float:
@@ -99,18 +56,65 @@ class LocalSpotProvider(NodeProvider):
             return nt.on_demand_price_per_hour
         return nt.spot_price_per_hour.get(zone, 0.3 * nt.on_demand_price_per_hour)
 
-    def launch(self, node_type: str, zone: str, market: str, worker_args: dict) -> Instance:
-        index = self.launches
-        self.launches += 1
-        instance_id = f"{self.config.cluster_name}-{node_type}-{index:04d}"
-        actor = SimulatedInstance.remote()
+    def schedule(self, spec: LaunchSpec, now: float) -> None:
+        self.schedules[spec.instance_id] = self._draw(spec.sequence, spec.node_type, spec.market, now)
+
+    def _draw(self, sequence: int, node_type: str, market: str, now: float) -> _Schedule:
+        notice_period = self.config.spot.notice_period_s
+        if self.trace is not None:
+            if sequence >= len(self.trace):
+                return _Schedule(None, None)
+            notice_after, kill_after = self.trace[sequence]
+            return _Schedule(None if notice_after is None else now + notice_after,
+                             None if kill_after is None else now + kill_after)
+        model = self.config.available_node_types[node_type].preemption
+        if market != "spot" or model.distribution == "none":
+            return _Schedule(None, None)
+        if model.distribution == "exponential":
+            lifetime = self.rng.expovariate(1.0 / model.mean_lifetime_s)
+        else:  # Weibull with the requested mean
+            scale = model.mean_lifetime_s / math.gamma(1 + 1 / model.weibull_shape)
+            lifetime = self.rng.weibullvariate(scale, model.weibull_shape)
+        kill_at = now + lifetime
+        return _Schedule(max(now, kill_at - notice_period), kill_at)
+
+    def due_notices(self, live: Iterable[str], now: float) -> list[PreemptionNotice]:
+        out = []
+        for instance_id in live:
+            sched = self.schedules.get(instance_id)
+            if sched is not None and not sched.noticed and sched.notice_at is not None and now >= sched.notice_at:
+                sched.noticed = True
+                out.append(PreemptionNotice(instance_id, sched.notice_at, sched.kill_at or sched.notice_at))
+        return out
+
+    def due_kill(self, instance_id: str, now: float) -> bool:
+        sched = self.schedules.get(instance_id)
+        return sched is not None and sched.kill_at is not None and now >= sched.kill_at
+
+
+class LocalSpotProvider(SimulatedMarket, NodeProvider):
+    """``mode: actors``: each instance is one Ray actor on this node, which is also its worker."""
+
+    def __init__(self, config: ClusterConfig, clock: Any) -> None:
+        super().__init__(config, clock)
+        self.instances: dict[str, Instance] = {}
+        self.pids: dict[str, int] = {}
+        self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
+        self.failed: set[str] = set()
+
+    def launch(self, spec: LaunchSpec) -> Instance:
+        from ..ray_workers import spawn_worker
+
+        # owned by the supervisor, not detached: the simulated machine goes down with its simulator
+        actor = spawn_worker(spec.instance_id, {}, detached=False)
         # returns at once (billing starts now, as on a cloud); the worker boots in the background
-        self.starting[instance_id] = actor.start.remote(worker_args)
+        self.starting[spec.instance_id] = actor.start.remote(spec.worker_args)
         now = self.clock()
-        inst = Instance(instance_id, node_type, zone, market, self.price(node_type, zone, market), now,
-                        tags={"cluster": self.config.cluster_name}, handle=actor)
-        self.instances[instance_id] = inst
-        self.schedules[instance_id] = self._schedule(index, node_type, market, now)
+        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
+                        self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags),
+                        handle=actor, hosts_worker=True)
+        self.instances[spec.instance_id] = inst
+        self.schedule(spec, now)
         return inst
 
     def _collect_started(self) -> None:
@@ -131,83 +135,24 @@ class LocalSpotProvider(NodeProvider):
             if instance_id in self.instances:
                 self.instances[instance_id].tags["peer_id"] = info["peer_id"]
 
-    def _schedule(self, index: int, node_type: str, market: str, now: float) -> _Schedule:
-        notice_period = self.config.spot.notice_period_s
-        if self.trace is not None:
-            if index >= len(self.trace):
-                return _Schedule(None, None)
-            notice_after, kill_after = self.trace[index]
-            return _Schedule(None if notice_after is None else now + notice_after,
-                             None if kill_after is None else now + kill_after)
-        model = self.config.available_node_types[node_type].preemption
-        if market != "spot" or model.distribution == "none":
-            return _Schedule(None, None)
-        if model.distribution == "exponential":
-            lifetime = self.rng.expovariate(1.0 / model.mean_lifetime_s)
-        else:  # Weibull with the requested mean
-            import math
-            scale = model.mean_lifetime_s / math.gamma(1 + 1 / model.weibull_shape)
-            lifetime = self.rng.weibullvariate(scale, model.weibull_shape)
-        kill_at = now + lifetime
-        return _Schedule(max(now, kill_at - notice_period), kill_at)
-
     def poll_notices(self, now: float) -> list[PreemptionNotice]:
-        out = []
-        for instance_id, sched in self.schedules.items():
-            if instance_id in self.instances and not sched.noticed and sched.notice_at is not None \
-                    and now >= sched.notice_at:
-                sched.noticed = True
-                out.append(PreemptionNotice(instance_id, sched.notice_at, sched.kill_at or sched.notice_at))
-        return out
+        return self.due_notices(list(self.instances), now)
 
     def poll_terminated(self, now: float) -> list[str]:
         self._collect_started()
         gone = []
         for instance_id in list(self.instances):
-            sched = self.schedules[instance_id]
             pid = self.pids.get(instance_id)
-            if sched.kill_at is not None and now >= sched.kill_at:
-                self._sigkill(instance_id)
-                gone.append(instance_id)
-            elif instance_id in self.failed or (pid is not None and not _alive(pid)):
+            if self.due_kill(instance_id, now) or instance_id in self.failed \
+                    or (pid is not None and not _alive(pid)):
                 self._sigkill(instance_id)
                 gone.append(instance_id)
         return gone
 
-    def poll_left(self, instance_ids: list[str]) -> list[str]:
-        """Which of these noticed instances' workers have finished leaving (non-blocking)."""
-        for instance_id in instance_ids:
-            inst = self.instances.get(instance_id)
-            if inst is not None and instance_id not in self.leave_checks and instance_id in self.pids:
-                self.leave_checks[instance_id] = inst.handle.status.remote()
-        if not self.leave_checks:
-            return []
-        refs = {ref: i for i, ref in self.leave_checks.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        left = []
-        for ref in ready:
-            instance_id = refs[ref]
-            del self.leave_checks[instance_id]
-            try:
-                if ray.get(ref)["left"]:
-                    left.append(instance_id)
-            except Exception:  # killed meanwhile: it never reported leaving
-                continue
-        return left
-
-    def notify(self, instance: Instance, deadline_s: float) -> None:
-        instance.handle.notice.remote(deadline_s)  # queued behind start if it is still booting
-
     def terminate(self, instance: Instance) -> None:
-        """Release: the worker leaves gracefully, then the actor ends (no preemption involved)."""
-        if instance.id not in self.instances:
+        """Release: the actor ends (its worker was asked to leave gracefully before)."""
+        if self.instances.pop(instance.id, None) is None:
             return
-        if instance.id in self.pids:
-            try:
-                ray.get(instance.handle.stop.remote(), timeout=30)
-            except Exception as e:  # already dead or stuck
-                logger.debug("graceful stop of %s failed: %s", instance.id, e)
-        self.instances.pop(instance.id, None)
         self.starting.pop(instance.id, None)
         ray.kill(instance.handle)
 
@@ -220,20 +165,16 @@ class LocalSpotProvider(NodeProvider):
         elif inst is not None:
             ray.kill(inst.handle)  # still booting: nothing to kill but the actor
 
-    def list(self) -> list[Instance]:
-        return list(self.instances.values())
+    def list(self, tag_filters: dict[str, str]) -> list[Instance]:
+        """This simulator's machines die with it, so only its own are ever alive."""
+        return [i for i in self.instances.values() if all(i.tags.get(k) == v for k, v in tag_filters.items())]
 
 
 def _alive(pid: int) -> bool:
+    """Running, and not a zombie (dead for our purposes)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

@@ -1,0 +1,384 @@
+"""The fleet policy: what the supervisor decides each tick, apart from how it is carried out.
+
+A plain object over a provider, a clock, a run store and a worker control, with no Ray in it, so
+every decision (zone, market, budget, min/max workers, adoption after a restart) is tested in
+seconds with a fake provider and a fake clock.  Its tick never waits on a cloud: launches,
+releases, worker placements and provider polls run on thread pools, and each tick only starts
+calls and collects the ones that finished.  The run store is written from the tick alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import tenacity
+
+from .config import ClusterConfig
+from .providers.base import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG, Instance, LaunchSpec, NodeProvider
+from .run_store import InstanceRecord, RunStore, summarize_costs
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerControl(Protocol):
+    """How the policy reaches the training peer on an instance (Ray actors in the supervisor)."""
+
+    def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
+        """Start the instance's worker on it; returns its peer id.  May block while it boots."""
+
+    def notify(self, instance: Instance, deadline_s: float) -> None:
+        """Forward a preemption notice (never blocks)."""
+
+    def poll_left(self, instance_ids: list[str]) -> list[str]:
+        """Which of these noticed instances' workers have left gracefully (never blocks)."""
+
+    def stop(self, instance: Instance) -> None:
+        """Make the worker leave gracefully (may block for its deadline)."""
+
+    def running(self, instance: Instance) -> dict | None:
+        """The running worker's ``peer_id`` and ``address``, or None (adoption after a restart)."""
+
+
+@dataclass
+class _Pending:
+    node_type: str
+    zone: str
+    market: str
+    ready_at: float
+
+
+@dataclass
+class _Background:
+    """One call running on a pool: what it is for and the future of its result."""
+
+    kind: str  # "launch", "place", "release"
+    instance_id: str
+    future: Future
+    detail: Any = None
+
+
+class FleetPolicy:
+    """Keeps a run's fleet at the size its config asks for, within its budget."""
+
+    def __init__(self, config: ClusterConfig, provider: NodeProvider, clock: Callable[[], float], store: RunStore,
+                 workers: WorkerControl, worker_args: Callable[[], dict[str, Any]],
+                 boot_script: Callable[[LaunchSpec], str | None] = lambda spec: None,
+                 to_real: Callable[[float], float] = lambda s: s, max_calls: int = 16) -> None:
+        self.config = config
+        self.provider = provider
+        self.clock = clock
+        self.store = store
+        self.workers = workers
+        self.worker_args = worker_args
+        self.boot_script = boot_script
+        self.to_real = to_real  # simulated seconds -> the workers' real seconds
+        self.pending: list[_Pending] = []
+        self.live: dict[str, Instance] = {}
+        self.noticed: set[str] = set()
+        self.left: set[str] = set()
+        self.preemptions: deque[tuple[float, str]] = deque()
+        self.budget_exhausted = False
+        self.status_text = "starting"
+        self.fleet_log: list[str] = []  # one line per instance lost, for the operator's console
+        self._calls = ThreadPoolExecutor(max_calls, thread_name_prefix="provider")
+        self._polls = ThreadPoolExecutor(1, thread_name_prefix="provider-poll")  # never queued behind a launch
+        self._poll: Future | None = None
+        self._background: list[_Background] = []
+        self._next_index = self._first_free_index()
+
+    # ---- restart: adopt what the previous supervisor left running --------------------------------
+    def adopt(self, lost_at: float | None = None, timeout: float = 120.0) -> list[str]:
+        """Take over the run's live instances (found by tag) instead of launching duplicates;
+        close in the store what no longer exists (its cost ends at ``lost_at``, the last moment the
+        store heard from the run), and release instances the store never knew."""
+        listed = self._calls.submit(self.provider.list, {RUN_TAG: self.config.cluster_name}).result(timeout)
+        known = {r.id: r for r in self.store.instances()}
+        now = self.clock()
+        adopted = []
+        for inst in listed:
+            record = known.get(inst.id)
+            if record is None or record.ended_at is not None:
+                logger.warning("instance %s has this run's tag but no open record; releasing it", inst.id)
+                self._submit("release", inst, self._release, inst)
+                continue
+            inst.price_per_hour, inst.launched_at = record.price_per_hour, record.launched_at
+            self.live[inst.id] = inst
+            if record.notice_at is not None:
+                self.noticed.add(inst.id)
+            if not inst.hosts_worker:
+                self._submit("place", inst, self._ensure_worker, inst)
+            self.store.event("adopted", inst.id)
+            adopted.append(inst.id)
+        lost = [r.id for r in known.values() if r.ended_at is None and r.id not in self.live]
+        for instance_id in lost:
+            self.store.update_instance(instance_id, ended_at=now if lost_at is None else lost_at, end_reason="lost")
+            self.store.event("lost", instance_id)
+        if lost:
+            logger.warning("%d instances of this run are gone; their cost ends when the run was last heard from",
+                           len(lost))
+        if adopted:
+            self.status_text = "running"
+        return adopted
+
+    def _ensure_worker(self, inst: Instance) -> str:
+        running = self.workers.running(inst)
+        return running["peer_id"] if running else self.workers.place(inst, self.worker_args())
+
+    @property
+    def launching(self) -> int:
+        """Launches asked of the provider and not answered yet."""
+        return sum(1 for b in self._background if b.kind == "launch")
+
+    # ---- one tick --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        self._collect_background()
+        self._collect_polls(now)
+        self._record_leaves()
+        self._enforce_budget(now)
+        if not self.budget_exhausted:
+            self._reconcile(now)
+            self._launch_due(now)
+        self._start_poll(now)
+
+    def _start_poll(self, now: float) -> None:
+        if self._poll is None:
+            self._poll = self._polls.submit(lambda: (self.provider.poll_notices(now),
+                                                     self.provider.poll_terminated(now)))
+
+    def _collect_polls(self, now: float) -> None:
+        if self._poll is None or not self._poll.done():
+            return
+        poll, self._poll = self._poll, None
+        try:
+            notices, terminated = poll.result()
+        except Exception as e:
+            logger.warning("polling the provider failed: %s", e)
+            return
+        for notice in notices:
+            inst = self.live.get(notice.instance_id)
+            if inst is None or inst.id in self.noticed:
+                continue
+            self.noticed.add(inst.id)
+            self.store.update_instance(inst.id, notice_at=notice.notice_at)
+            self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at})
+            logger.info("preemption notice for %s: terminated in %.0f s", inst.id, notice.terminate_at - now)
+            # the worker gets most of the notice; the rest is margin for the message and the kill
+            self.workers.notify(inst, max(self.to_real(notice.terminate_at - now) * 0.8, 0.5))
+        for instance_id in terminated:
+            reason = "preempted" if instance_id in self.noticed else "died"
+            if instance_id in self.live:
+                logger.info("instance %s %s; a replacement follows", instance_id, reason)
+            self._ended(instance_id, reason)
+
+    def _record_leaves(self) -> None:
+        waiting = [i for i in self.noticed if i in self.live and i not in self.left]
+        if not waiting:
+            return
+        for instance_id in self.workers.poll_left(waiting):
+            self.left.add(instance_id)
+            self.store.event("left", instance_id)  # the worker left gracefully before the kill
+
+    def _ended(self, instance_id: str, reason: str) -> None:
+        inst = self.live.pop(instance_id, None)
+        if inst is None:
+            return
+        now = self.clock()
+        self.store.update_instance(instance_id, ended_at=now, end_reason=reason)
+        self.store.event(reason, instance_id)
+        if reason == "preempted":
+            self.preemptions.append((now, inst.zone))
+        if reason in ("preempted", "died"):
+            self.fleet_log.append(f"{reason}: {instance_id} ({inst.zone}, {inst.market}) after "
+                                  f"{now - inst.launched_at:.0f} s; a replacement follows")
+
+    # ---- background calls ------------------------------------------------------------------------
+    def _submit(self, kind: str, inst: Instance | LaunchSpec, fn: Callable[..., Any], *args: Any,
+                detail: Any = None) -> None:
+        instance_id = inst.instance_id if isinstance(inst, LaunchSpec) else inst.id
+        self._background.append(_Background(kind, instance_id, self._calls.submit(fn, *args), detail))
+
+    def _collect_background(self) -> None:
+        done = [b for b in self._background if b.future.done()]
+        for b in done:
+            self._background.remove(b)
+            try:
+                result = b.future.result()
+            except Exception as e:
+                self._failed(b, e)
+                continue
+            if b.kind == "launch":
+                self._launched(result)
+            elif b.kind == "place" and result:
+                self.store.update_instance(b.instance_id, peer_id=result)
+                if b.instance_id in self.live:
+                    self.live[b.instance_id].tags["peer_id"] = result
+
+    def _failed(self, b: _Background, error: Exception) -> None:
+        if b.kind == "launch":
+            spec: LaunchSpec = b.detail
+            self.store.event("launch_failed", detail={"node_type": spec.node_type, "zone": spec.zone,
+                                                      "error": str(error)})
+            logger.warning("launching %s in %s failed: %s", spec.node_type, spec.zone, error)
+        elif b.kind == "place":
+            logger.warning("the worker of %s did not start: %s; releasing the instance", b.instance_id, error)
+            inst = self.live.get(b.instance_id)
+            if inst is not None:
+                self._ended(inst.id, "died")
+                self._submit("release", inst, self.provider.terminate, inst)
+        else:
+            logger.warning("releasing %s failed: %s", b.instance_id, error)
+
+    # ---- fleet -----------------------------------------------------------------------------------
+    def _reconcile(self, now: float) -> None:
+        """Keep at least min_workers and scale up to max_workers while the budget allows."""
+        launching = [b.detail for b in self._background if b.kind == "launch"]
+        for name, node_type in self.config.available_node_types.items():
+            have = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
+            have += sum(1 for p in self.pending if p.node_type == name)
+            have += sum(1 for s in launching if s.node_type == name)
+            while have < node_type.max_workers:
+                zone, market = self.choose_zone(name, now)
+                price = self.provider.price(name, zone, market)
+                if not self._affordable(price, now):
+                    if have < node_type.min_workers:
+                        self.status_text = f"budget: cannot launch {name} (min_workers {node_type.min_workers})"
+                    break
+                self.pending.append(_Pending(name, zone, market, now + self.provider.provisioning_delay))
+                self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market})
+                have += 1
+
+    def choose_zone(self, node_type: str, now: float) -> tuple[str, str]:
+        """The cheapest zone, penalized by its recent preemptions; on-demand after too many of them
+        (and back to spot once they leave the window), or when spot is above the price cap."""
+        spot = self.config.spot
+        while self.preemptions and now - self.preemptions[0][0] > spot.fallback_window_s:
+            self.preemptions.popleft()
+        window = [z for _, z in self.preemptions]
+        market = "spot" if spot.market == "spot" and self.config.available_node_types[node_type].spot else "on-demand"
+        zones = self.config.provider.zones
+        if market == "spot" and spot.fallback_to_on_demand_after and len(window) >= spot.fallback_to_on_demand_after:
+            market = "on-demand"
+        if market == "spot" and spot.max_price_per_hour is not None:
+            zones = [z for z in zones if self.provider.price(node_type, z, "spot") <= spot.max_price_per_hour]
+            if not zones:
+                market, zones = "on-demand", self.config.provider.zones
+
+        def score(zone: str) -> float:  # cheaper, and fewer recent preemptions, is better
+            return self.provider.price(node_type, zone, market) * (1 + 0.5 * window.count(zone))
+
+        return min(zones, key=score), market
+
+    def _rate(self) -> float:
+        launching = [b.detail for b in self._background if b.kind == "launch"]
+        return (sum(i.price_per_hour for i in self.live.values())
+                + sum(self.provider.price(p.node_type, p.zone, p.market) for p in self.pending)
+                + sum(self.provider.price(s.node_type, s.zone, s.market) for s in launching))
+
+    def _affordable(self, price: float, now: float) -> bool:
+        budget = self.config.budget
+        rate = self._rate()
+        if budget.max_dollars_per_hour is not None and rate + price > budget.max_dollars_per_hour + 1e-9:
+            return False
+        if budget.max_total_dollars is not None:
+            spent = summarize_costs(self.store, now).dollars
+            horizon_h = max(self.config.checkpoint.every_s, 60.0) / 3600  # room to notice and stop in time
+            if spent + (rate + price) * horizon_h > budget.max_total_dollars:
+                return False
+        return True
+
+    def _enforce_budget(self, now: float) -> None:
+        total = self.config.budget.max_total_dollars
+        if total is None or self.budget_exhausted:
+            return
+        rate = sum(i.price_per_hour for i in self.live.values())
+        spent = summarize_costs(self.store, now).dollars
+        # stop while there is still room for the instances' next ticks of spending
+        margin = rate * self.spend_margin_s / 3600
+        if spent + margin >= total:
+            self.budget_exhausted = True
+            self.status_text = f"budget exhausted: ${spent:.4f} of ${total:.2f}; instances released"
+            self.store.event("budget_exhausted", detail={"spent": spent, "max_total_dollars": total})
+            logger.warning("budget exhausted: $%.4f of $%.2f; releasing every instance", spent, total)
+            self.pending.clear()
+            for inst in list(self.live.values()):
+                self._ended(inst.id, "budget")
+                self._submit("release", inst, self._release, inst)
+
+    #: clock seconds of spending the budget check keeps in reserve (a few ticks of the supervisor)
+    spend_margin_s: float = 0.0
+
+    def _first_free_index(self) -> int:
+        """Instance ids continue after every id the run ever used, across restarts."""
+        used = [int(m.group(1)) for r in self.store.instances() if (m := re.search(r"-(\d+)$", r.id))]
+        return max(used, default=-1) + 1
+
+    def _launch_due(self, now: float) -> None:
+        for p in [p for p in self.pending if p.ready_at <= now]:
+            self.pending.remove(p)
+            index, self._next_index = self._next_index, self._next_index + 1
+            instance_id = f"{self.config.cluster_name}-{p.node_type}-{index:04d}"
+            node_type = self.config.available_node_types[p.node_type]
+            spec = LaunchSpec(instance_id, p.node_type, p.zone, p.market,
+                              tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
+                                    NODE_TYPE_TAG: p.node_type},
+                              node_config=dict(node_type.node_config), resources=dict(node_type.resources),
+                              sequence=index, worker_args=self.worker_args())
+            spec.boot_script = self.boot_script(spec)
+            self._submit("launch", spec, self._launch_with_retries, spec, detail=spec)
+
+    @tenacity.retry(stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential(multiplier=0.5, max=5),
+                    reraise=True)
+    def _launch_with_retries(self, spec: LaunchSpec) -> Instance:
+        return self.provider.launch(spec)
+
+    def _launched(self, inst: Instance, place: bool = True) -> None:
+        self.live[inst.id] = inst
+        od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
+        self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
+                                           od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
+        self.status_text = "running"
+        if self.budget_exhausted:  # the budget ran out while this launch was in flight
+            self._ended(inst.id, "budget")
+            self._submit("release", inst, self._release, inst)
+        elif place and not inst.hosts_worker:
+            self._submit("place", inst, self.workers.place, inst, self.worker_args())
+
+    def _release(self, inst: Instance) -> None:
+        try:
+            self.workers.stop(inst)
+        except Exception as e:  # already dead, or stuck: the machine goes either way
+            logger.debug("graceful stop of %s failed: %s", inst.id, e)
+        self.provider.terminate(inst)
+
+    # ---- stopping --------------------------------------------------------------------------------
+    def release_all(self, timeout: float = 120.0) -> None:
+        """Release every instance (gracefully, concurrently) and wait for the calls to finish."""
+        self.pending.clear()
+        for b in [b for b in self._background if b.kind == "launch"]:
+            try:  # a launch in flight becomes an instance we must release too
+                self._launched(b.future.result(timeout=timeout), place=False)
+            except Exception as e:
+                logger.warning("a launch in flight failed while stopping: %s", e)
+            self._background.remove(b)
+        for inst in list(self.live.values()):
+            self._ended(inst.id, "released")
+            self._submit("release", inst, self._release, inst)
+        for b in list(self._background):
+            try:
+                b.future.result(timeout=timeout)
+            except Exception as e:
+                logger.warning("%s of %s failed while stopping: %s", b.kind, b.instance_id, e)
+        self._background.clear()
+
+    def shutdown(self) -> None:
+        """Stop the pools (after ``release_all``, or to leave the instances for the next supervisor)."""
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._polls.shutdown(wait=False, cancel_futures=True)
+        self.provider.shutdown()

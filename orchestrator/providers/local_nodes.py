@@ -1,0 +1,213 @@
+"""The local simulator's ``nodes`` mode: each instance is its own Ray node on this machine.
+
+A launch runs the instance's boot script (``ray start --address=<head> --block``) as a process
+group of its own, detached from the supervisor like a real machine (it survives a supervisor
+restart and is adopted by the next one), optionally inside a network namespace so that it has
+its own IP address.  A preemption is a notice, then SIGKILL of every process in the node's session:
+raylet, worker actor and all.  Each instance's record (tags, price, schedule, session leader) is a JSON
+file in the run's ``nodes/`` directory: the simulated cloud's own inventory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..bootstrap import ray_auth_token
+from ..config import ClusterConfig
+from .base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from .local import SimulatedMarket, _Schedule
+
+logger = logging.getLogger(__name__)
+
+_WRAPPER = 'echo $$ > "$1"; exec bash "$2"'  # the group leader records its pid, then becomes the boot script
+
+
+def _node_pids(leader: int) -> list[int]:
+    """Every process of the node started by ``leader``: its session.  (Ray gives each worker a
+    process group of its own, so the node's process group alone would leave the actors alive.)"""
+    pids = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == leader:
+                pids.append(proc.pid)
+        except OSError:  # gone meanwhile, or not ours to ask
+            continue
+    return pids
+
+
+def _node_alive(leader: int) -> bool:
+    return bool(_node_pids(leader))
+
+
+def _kill_node(leader: int, sig: int) -> None:
+    for pid in _node_pids(leader):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class LocalNodeProvider(SimulatedMarket, NodeProvider):
+    def __init__(self, config: ClusterConfig, clock: Any, state_dir: Path) -> None:
+        super().__init__(config, clock)
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.instances: dict[str, Instance] = {}
+        self.stop_timeout = 30.0
+
+    # ---- launching -------------------------------------------------------------------------------
+    def launch(self, spec: LaunchSpec) -> Instance:
+        if spec.boot_script is None:
+            raise ValueError(f"{spec.instance_id}: the nodes mode needs a boot script to run")
+        namespace = self._free_namespace()
+        script = self.state_dir / f"{spec.instance_id}.sh"
+        script.write_text(spec.boot_script)
+        pid_file = self.state_dir / f"{spec.instance_id}.pid"
+        pid_file.unlink(missing_ok=True)
+        prefix = ["ip", "netns", "exec", namespace] if namespace else []
+        # setsid -f: a session of its own whose parent is not us, as a machine's processes would be
+        command = ["setsid", "-f", *prefix, "bash", "-c", _WRAPPER, "boot", str(pid_file), str(script)]
+        with open(self.state_dir / f"{spec.instance_id}.log", "ab") as log:
+            subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True, timeout=30,
+                           env=self._boot_env(spec.instance_id))
+        leader = self._read_pid(pid_file)
+        now = self.clock()
+        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
+                        self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags), handle=leader)
+        self.schedule(spec, now)
+        self.instances[inst.id] = inst
+        self._save(inst, namespace)
+        logger.info("instance %s: Ray node starting as session %d%s", inst.id, leader,
+                    f" in network namespace {namespace}" if namespace else "")
+        return inst
+
+    def _temp_dir(self, instance_id: str) -> Path:
+        """Short (Ray's socket paths must fit in 107 bytes), and unique per run and instance."""
+        digest = hashlib.sha1(f"{self.state_dir.resolve()}/{instance_id}".encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / f"ssw-{digest}"
+
+    def _boot_env(self, instance_id: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SPOTSWARM_NODE_TMP"] = str(self._temp_dir(instance_id))
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # our ray first
+        token = ray_auth_token()
+        if token:
+            env["RAY_AUTH_TOKEN"] = token
+        return env
+
+    @staticmethod
+    def _read_pid(pid_file: Path, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                text = pid_file.read_text().strip()
+            except FileNotFoundError:
+                text = ""
+            if text:
+                return int(text)
+            time.sleep(0.01)  # the detached boot process writes it within milliseconds
+        raise RuntimeError(f"the boot process did not start within {timeout:.0f} s (no {pid_file.name})")
+
+    def _free_namespace(self) -> str | None:
+        namespaces = self.config.provider.namespaces
+        if not namespaces:
+            return None
+        used = {self._load(i).get("namespace") for i in self.instances}
+        for name in namespaces:
+            if name not in used:
+                return name
+        raise RuntimeError(f"every network namespace of provider.namespaces is in use ({len(namespaces)})")
+
+    # ---- the simulated cloud's inventory ---------------------------------------------------------
+    def _record_path(self, instance_id: str) -> Path:
+        return self.state_dir / f"{instance_id}.json"
+
+    def _save(self, inst: Instance, namespace: str | None) -> None:
+        sched = self.schedules.get(inst.id)
+        record = {"id": inst.id, "node_type": inst.node_type, "zone": inst.zone, "market": inst.market,
+                  "price_per_hour": inst.price_per_hour, "launched_at": inst.launched_at, "tags": inst.tags,
+                  "leader": inst.handle, "namespace": namespace, "schedule": asdict(sched) if sched else None}
+        tmp = self._record_path(inst.id).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self._record_path(inst.id))
+
+    def _load(self, instance_id: str) -> dict:
+        try:
+            return json.loads(self._record_path(instance_id).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _forget(self, instance_id: str) -> None:
+        self.instances.pop(instance_id, None)
+        self._record_path(instance_id).unlink(missing_ok=True)
+        shutil.rmtree(self._temp_dir(instance_id), ignore_errors=True)  # the machine's disk goes with it
+
+    def list(self, tag_filters: dict[str, str]) -> list[Instance]:
+        """Every live instance on record with these tags, including those a previous supervisor
+        launched (they are taken over: polled, preempted and released from now on)."""
+        out = []
+        for path in sorted(self.state_dir.glob("*.json")):
+            record = self._load(path.stem)
+            if not record or not all(record["tags"].get(k) == v for k, v in tag_filters.items()):
+                continue
+            if not _node_alive(record["leader"]):
+                self._forget(record["id"])
+                continue
+            inst = self.instances.get(record["id"])
+            if inst is None:
+                inst = Instance(record["id"], record["node_type"], record["zone"], record["market"],
+                                record["price_per_hour"], record["launched_at"], tags=record["tags"],
+                                handle=record["leader"])
+                self.instances[inst.id] = inst
+                if record.get("schedule"):
+                    self.schedules[inst.id] = _Schedule(**record["schedule"])
+            out.append(inst)
+        return out
+
+    # ---- market events ---------------------------------------------------------------------------
+    def poll_notices(self, now: float) -> list[PreemptionNotice]:
+        notices = self.due_notices(list(self.instances), now)
+        for notice in notices:  # remembered, so a restarted supervisor does not notice twice
+            inst = self.instances.get(notice.instance_id)
+            if inst is not None:
+                self._save(inst, self._load(inst.id).get("namespace"))
+        return notices
+
+    def poll_terminated(self, now: float) -> list[str]:
+        gone = []
+        for instance_id, inst in list(self.instances.items()):
+            if self.due_kill(instance_id, now):
+                _kill_node(inst.handle, signal.SIGKILL)  # a real preemption: the machine just stops
+                logger.info("preempted %s: killed its Ray node (session %d)", instance_id, inst.handle)
+            elif _node_alive(inst.handle):
+                continue
+            self._forget(instance_id)
+            gone.append(instance_id)
+        return gone
+
+    def terminate(self, instance: Instance) -> None:
+        """Stop the node (``ray start --block`` stops its processes on SIGTERM), then make sure."""
+        leader = instance.handle
+        try:
+            os.kill(leader, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + self.stop_timeout
+        while _node_alive(leader) and time.monotonic() < deadline:
+            time.sleep(0.1)  # waiting for processes to exit, bounded
+        _kill_node(leader, signal.SIGKILL)
+        self._forget(instance.id)

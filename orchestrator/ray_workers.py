@@ -1,0 +1,149 @@
+"""Training peers as Ray actors: one ``WorkerActor`` per instance, placed on the instance's Ray node
+by the resource its boot script advertises, and ``RayWorkers``, the policy's way to reach them.
+
+Actors are named after their instance, so a restarted supervisor finds the workers of the one
+before it.  On a cluster they are detached: a worker belongs to its machine, not to whichever
+supervisor process started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+
+from .providers.base import Instance, instance_resource
+
+logger = logging.getLogger(__name__)
+
+
+def worker_actor_name(instance_id: str) -> str:
+    return f"spotswarm-worker-{instance_id}"
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WorkerActor:
+    """One training peer, training in a thread of this actor's process."""
+
+    def __init__(self) -> None:
+        self.peer: Any = None
+        self.thread: threading.Thread | None = None
+        self.left = threading.Event()
+
+    def start(self, worker_args: dict) -> dict:
+        from workers.peer import TrainingPeer, WorkerConfig  # imported here: only instances need torch
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        args = dict(worker_args)
+        if args.get("announce_host") is None and args.get("host") in ("0.0.0.0", "::"):
+            args["announce_host"] = ray.util.get_node_ip_address()  # what other machines reach us at
+        self.peer = TrainingPeer(WorkerConfig(**args))
+        self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
+        self.thread.start()
+        return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def notice(self, deadline_s: float) -> None:
+        """A preemption notice: keep training through most of it, then leave gracefully in the
+        background, all within ``deadline_s``."""
+        def leave() -> None:
+            try:
+                # the last quarter is for finishing a round and withdrawing our records
+                self.peer.prepare_to_leave(deadline=deadline_s, train_for=0.75 * deadline_s)
+            finally:
+                self.left.set()
+        threading.Thread(target=leave, name="leaving", daemon=True).start()
+
+    def status(self) -> dict:
+        peer = self.peer
+        return {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "peer_id": str(peer.dht.peer_id) if peer else None, "address": peer.address if peer else None}
+
+    def history(self) -> list[dict]:
+        """The peer's per-epoch records (epoch, loss, samples/s, parameter digest)."""
+        return list(self.peer.history) if self.peer is not None else []
+
+    def stop(self) -> None:
+        """Graceful stop without a notice period (a release, not a preemption)."""
+        if self.peer is not None and not self.left.is_set():
+            self.peer.prepare_to_leave(deadline=10.0)
+            self.left.set()
+
+
+def spawn_worker(instance_id: str, resources: dict[str, float], detached: bool) -> Any:
+    options: dict[str, Any] = {"name": worker_actor_name(instance_id), "resources": resources}
+    if detached:
+        options["lifetime"] = "detached"
+    return WorkerActor.options(**options).remote()
+
+
+class RayWorkers:
+    """The policy's ``WorkerControl`` over Ray actors."""
+
+    def __init__(self, boot_timeout: float = 600.0) -> None:
+        self.boot_timeout = boot_timeout  # a cloud machine may take minutes to boot and join
+        self._left_checks: dict[str, Any] = {}
+
+    def _actor(self, instance: Instance) -> Any:
+        return ray.get_actor(worker_actor_name(instance.id))
+
+    def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
+        """Start the worker on the instance's own node; blocks until the node joined and it runs."""
+        actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True)
+        try:
+            info = ray.get(actor.start.remote(worker_args), timeout=self.boot_timeout)
+        except BaseException:
+            ray.kill(actor)  # a detached actor outlives us: never leave one waiting for a node that is gone
+            raise
+        logger.info("worker of %s runs on node %s as %s", instance.id, info["node_id"][:12], info["address"])
+        return info["peer_id"]
+
+    def notify(self, instance: Instance, deadline_s: float) -> None:
+        try:
+            self._actor(instance).notice.remote(deadline_s)  # queued behind start if it is still booting
+        except ValueError:  # no such actor: the worker never started or is gone already
+            logger.info("no worker on %s to notify", instance.id)
+
+    def poll_left(self, instance_ids: list[str]) -> list[str]:
+        for instance_id in instance_ids:
+            if instance_id not in self._left_checks:
+                try:
+                    actor = ray.get_actor(worker_actor_name(instance_id))
+                except ValueError:
+                    continue
+                self._left_checks[instance_id] = actor.status.remote()
+        if not self._left_checks:
+            return []
+        refs = {ref: i for i, ref in self._left_checks.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        left = []
+        for ref in ready:
+            instance_id = refs[ref]
+            del self._left_checks[instance_id]
+            try:
+                if ray.get(ref)["left"]:
+                    left.append(instance_id)
+            except Exception:  # killed meanwhile: it never reported leaving
+                continue
+        return left
+
+    def stop(self, instance: Instance) -> None:
+        try:
+            actor = self._actor(instance)
+        except ValueError:
+            return
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        finally:
+            ray.kill(actor)
+
+    def running(self, instance: Instance) -> dict | None:
+        try:
+            status = ray.get(self._actor(instance).status.remote(), timeout=30)
+        except Exception:
+            return None
+        return status if status["peer_id"] else None

@@ -1,0 +1,91 @@
+"""`spotswarm up --address` joins a Ray cluster it did not start: the supervisor runs on that
+cluster's head, each instance joins it as a Ray node, and releasing the run leaves the head up."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RAY = Path(sys.executable).with_name("ray")
+CONFIG = """\
+cluster_name: j
+runs_dir: runs
+provider: {type: local, mode: nodes, zones: [a], time_scale: 1.0, provisioning_delay_s: 0}
+available_node_types:
+  small: {min_workers: 2, max_workers: 2, resources: {CPU: 1}, preemption: {distribution: none}}
+training: {task: synthetic, target_batch_size: 64, min_matchmaking_time_s: 0.5, averaging_timeout_s: 10}
+checkpoint: {every_s: 600}
+dashboard: {enabled: false}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_session(leader: int) -> None:
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == leader:
+                proc.send_signal(signal.SIGKILL)
+        except (OSError, psutil.Error):
+            continue
+
+
+def rows(db: Path, sql: str) -> list:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(300)
+def test_up_joins_an_existing_cluster_with_the_supervisor_on_its_head(tmp_path):
+    temp = Path(f"/tmp/ssw-join-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    with open(tmp_path / "head.log", "wb") as log:
+        head = subprocess.Popen([str(RAY), "start", "--head", "--port", str(free_port()), "--num-cpus", "1",
+                                 "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(temp),
+                                 "--ray-client-server-port", str(free_port()), "--block"],
+                                env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        address_file = temp / "ray_current_cluster"
+        deadline = time.monotonic() + 60
+        while not address_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling for the head to write its address, bounded
+        address = address_file.read_text().strip()
+        (tmp_path / "cluster.yaml").write_text(CONFIG)
+        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "cluster.yaml", "--address", address,
+                             "--duration", "25"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert up.returncode == 0, up.stderr[-3000:]
+        db = tmp_path / "runs" / "j" / "run.sqlite"
+        (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'supervisor_start'")
+        assert json.loads(detail)["ray_node"]["head"] is True  # pinned to the cluster's head
+        assert sorted(rows(db, "SELECT id, end_reason FROM instances")) == [("j-small-0000", "released"),
+                                                                          ("j-small-0001", "released")]
+        assert rows(db, "SELECT MAX(epoch) FROM progress")[0][0] > 0  # they trained together
+        assert head.poll() is None  # releasing the run stops its instances' nodes, not the cluster
+        assert "worker died or was killed" not in up.stdout  # no raylet paragraphs on the console
+    finally:
+        kill_session(head.pid)
+        head.wait(timeout=30)
+        subprocess.run(["rm", "-rf", str(temp)], check=False)

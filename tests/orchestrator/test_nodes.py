@@ -1,0 +1,123 @@
+"""The real multi-node path on one machine: each instance is its own Ray node (``mode: nodes``),
+started by its boot script, joined to this test's Ray head; a preemption kills the whole node."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.ray_workers import worker_actor_name  # noqa: E402
+from orchestrator.run_store import RunStore  # noqa: E402
+from orchestrator.supervisor import SupervisorCore  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.usefixtures("ray_session")]
+
+
+def query(run_dir: Path, sql: str, *args) -> list:
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def node_config(tmp_path: Path) -> ClusterConfig:
+    trace = tmp_path / "trace.csv"
+    # only the first instance is preempted: notice 150 s (15 s here) after launch, killed 60 s later
+    trace.write_text("notice_after_s,kill_after_s\n150,210\n,\n,\n,\n,\n")
+    return ClusterConfig.model_validate({
+        "cluster_name": "n", "runs_dir": str(tmp_path / "runs"),
+        "provider": {"type": "local", "mode": "nodes", "zones": ["a"], "time_scale": 10.0,
+                     "provisioning_delay_s": 0.0, "trace_file": str(trace)},
+        "available_node_types": {"small": {"min_workers": 3, "max_workers": 3, "resources": {"CPU": 1},
+                                           "on_demand_price_per_hour": 1.0}},
+        "spot": {"notice_period_s": 60.0},
+        "training": {"task": "synthetic", "target_batch_size": 64, "min_matchmaking_time_s": 0.5,
+                     "averaging_timeout_s": 10.0},
+        "checkpoint": {"every_s": 600.0},
+        "dashboard": {"enabled": False},
+    })
+
+
+def worker_status(instance_id: str) -> dict:
+    return ray.get(ray.get_actor(worker_actor_name(instance_id)).status.remote(), timeout=60)
+
+
+def history(instance_id: str) -> dict[int, str]:
+    records = ray.get(ray.get_actor(worker_actor_name(instance_id)).history.remote(), timeout=60)
+    return {r["epoch"]: r["params"] for r in records}
+
+
+def process_groups_alive(run_dir: Path) -> list[str]:
+    """Instances with any process of their node's session still running (raylet, agents, worker)."""
+    sessions = {}
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE:
+                sessions.setdefault(os.getsid(proc.pid), proc.pid)
+        except OSError:
+            continue
+    return sorted(f.stem for f in (run_dir / "nodes").glob("*.pid") if int(f.read_text()) in sessions)
+
+
+def test_instances_are_ray_nodes_preemption_replaces_a_node_and_a_restart_adopts(tmp_path, wait_for):
+    config = node_config(tmp_path)
+    RunStore.create(config).close()
+    run_dir = config.run_dir()
+    core = SupervisorCore(config, run_dir)
+    core.start()
+    first = "n-small-0000"
+    try:
+        wait_for(lambda: len([i for i in list(core.live.values()) if i.tags.get("peer_id")]) == 3, 180,
+                 "three workers running on their own nodes")
+        nodes = {i: worker_status(i)["node_id"] for i in list(core.live)}
+        driver_node = ray.get_runtime_context().get_node_id()
+        assert len(set(nodes.values())) == len(nodes) >= 3 and driver_node not in nodes.values()  # one node each
+
+        wait_for(lambda: query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", first) == [("preempted",)],
+                 120, "the first instance's node to be killed")
+        wait_for(lambda: first not in process_groups_alive(run_dir), 30, "the killed node's processes to exit")
+        replacement = "n-small-0003"
+        wait_for(lambda: query(run_dir, "SELECT 1 FROM events WHERE kind = 'first_step' AND instance_id = ?",
+                               replacement), 180, "the replacement's first averaged step")
+        others = {i: n for i, n in nodes.items() if i != replacement}
+        assert worker_status(replacement)["node_id"] not in others.values()  # a new node, not a survivor
+        live = sorted(list(core.live))
+        assert live == ["n-small-0001", "n-small-0002", replacement]
+        kinds = [k for (k,) in query(run_dir, "SELECT kind FROM events WHERE instance_id = ? ORDER BY time", first)]
+        assert kinds.index("notice") < kinds.index("preempted")
+
+        epoch_now = core.epoch
+        wait_for(lambda: core.epoch >= epoch_now + 2, 120, "training to go on")
+        histories = {i: history(i) for i in live}
+        common = set.intersection(*(set(h) for h in histories.values()))
+        assert common, "the three live peers share averaged epochs"
+        for epoch in sorted(common):
+            assert len({h[epoch] for h in histories.values()}) == 1, f"parameters differ after epoch {epoch}"
+    except BaseException:
+        core.stop()
+        raise
+
+    # a supervisor restart: the next one adopts the three live nodes instead of launching more
+    core.detach()
+    launched_before = query(run_dir, "SELECT COUNT(*) FROM instances")[0][0]
+    core = SupervisorCore(config, run_dir)
+    try:
+        assert sorted(list(core.live)) == live
+        core.start()
+        epoch_now = core.epoch
+        wait_for(lambda: core.epoch >= epoch_now + 2, 120, "training to go on under the new supervisor")
+        assert query(run_dir, "SELECT COUNT(*) FROM instances")[0][0] == launched_before  # no duplicates
+        assert sorted(list(core.live)) == live
+        assert sorted(process_groups_alive(run_dir)) == live
+    finally:
+        core.stop()
+    assert process_groups_alive(run_dir) == []  # released: every node stopped
+    assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE ended_at IS NULL") == [(0,)]

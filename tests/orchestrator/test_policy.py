@@ -1,0 +1,592 @@
+"""FleetPolicy decisions against an in-memory cloud and a hand-advanced clock.
+
+The policy is the part of the supervisor that spends money: zone and market choice, budget caps,
+fleet size, adoption after a restart.  Each test drives its tick directly and reads the outcome
+back from the fake provider, the fake workers and a real run store (SQLite on tmp_path), so every
+decision is checked in milliseconds and without Ray.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.config import ClusterConfig
+from orchestrator.policy import FleetPolicy
+from orchestrator.providers.base import RUN_TAG, Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from orchestrator.run_store import RunStore, summarize_costs
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO = Path(__file__).resolve().parents[2]
+START = 1000.0  # the fake clock's origin: never 0, which the store would read as "no time given"
+NODE = "gpu"
+ZONES = ["a", "b", "c"]
+SETTLE_S = 5.0  # bound on waiting for the policy's pools; the calls themselves take microseconds
+
+
+class FakeClock:
+    """The supervisor's clock, advanced by hand so that windows and spending are exact."""
+
+    def __init__(self, now: float = START) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+class FakeProvider(NodeProvider):
+    """An in-memory cloud.  With ``hang`` set, a launch blocks until ``gate`` is set, like an API
+    that stops answering; preemptions are whatever the test queues with ``notice`` and ``kill``."""
+
+    provisioning_delay = 0.0
+
+    def __init__(self, clock: FakeClock, prices: dict[tuple[str, str, str], float]) -> None:
+        self.clock = clock
+        self.prices = prices
+        self.hang = False
+        self.gate = threading.Event()
+        self.specs: list[LaunchSpec] = []  # every launch asked for, in order
+        self.hanging: set[str] = set()  # launches blocked on the gate right now
+        self.instances: dict[str, Instance] = {}  # live, as the cloud sees them
+        self.terminated: list[str] = []
+        self.shutdowns = 0
+        self._notices: list[PreemptionNotice] = []
+        self._killed: list[str] = []
+        self._lock = threading.Lock()
+
+    # ---- the contract ----
+    def launch(self, spec: LaunchSpec) -> Instance:
+        with self._lock:
+            self.specs.append(spec)
+            hang = self.hang
+            if hang:
+                self.hanging.add(spec.instance_id)
+        if hang and not self.gate.wait(20):
+            raise RuntimeError(f"the hanging launch of {spec.instance_id} was never released")
+        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
+                        self.price(spec.node_type, spec.zone, spec.market), self.clock(), tags=dict(spec.tags))
+        with self._lock:
+            self.hanging.discard(spec.instance_id)
+            self.instances[inst.id] = replace(inst, tags=dict(inst.tags))
+        return inst
+
+    def terminate(self, instance: Instance) -> None:
+        with self._lock:
+            self.terminated.append(instance.id)
+            self.instances.pop(instance.id, None)
+
+    def list(self, tag_filters: dict[str, str]) -> list[Instance]:
+        with self._lock:  # copies: a cloud answers with fresh objects, not the policy's own
+            return [replace(i, tags=dict(i.tags)) for i in self.instances.values()
+                    if all(i.tags.get(k) == v for k, v in tag_filters.items())]
+
+    def price(self, node_type: str, zone: str, market: str) -> float:
+        return self.prices[(node_type, zone, market)]
+
+    def poll_notices(self, now: float) -> list[PreemptionNotice]:
+        with self._lock:
+            out, self._notices = self._notices, []
+        return out
+
+    def poll_terminated(self, now: float) -> list[str]:
+        with self._lock:
+            out, self._killed = self._killed, []
+        return out
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+    # ---- what the test does to the cloud ----
+    def notice(self, instance_id: str, at: float, terminate_at: float) -> None:
+        with self._lock:
+            self._notices.append(PreemptionNotice(instance_id, at, terminate_at))
+
+    def kill(self, instance_id: str) -> None:
+        """The cloud takes the instance and says so in its next poll."""
+        with self._lock:
+            self.instances.pop(instance_id, None)
+            self._killed.append(instance_id)
+
+    def lose(self, instance_id: str) -> None:
+        """The instance is gone and no poll will say so (it went while no supervisor ran)."""
+        with self._lock:
+            self.instances.pop(instance_id, None)
+
+    def add(self, instance: Instance) -> None:
+        """An instance this policy never launched (another run's, or one the store never heard of)."""
+        with self._lock:
+            self.instances[instance.id] = instance
+
+
+class FakeWorkers:
+    """WorkerControl without Ray: records every call; the test marks which workers left or run."""
+
+    def __init__(self) -> None:
+        self.placed: list[str] = []
+        self.notified: list[tuple[str, float]] = []
+        self.stopped: list[str] = []
+        self.left: set[str] = set()
+        self.alive: set[str] = set()  # instances whose worker is already running (adoption)
+        self._lock = threading.Lock()
+
+    def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
+        with self._lock:
+            self.placed.append(instance.id)
+        return f"peer-{instance.id}"
+
+    def notify(self, instance: Instance, deadline_s: float) -> None:
+        with self._lock:
+            self.notified.append((instance.id, deadline_s))
+
+    def poll_left(self, instance_ids: list[str]) -> list[str]:
+        return [i for i in instance_ids if i in self.left]
+
+    def stop(self, instance: Instance) -> None:
+        with self._lock:
+            self.stopped.append(instance.id)
+
+    def running(self, instance: Instance) -> dict | None:
+        if instance.id not in self.alive:
+            return None
+        return {"peer_id": f"peer-{instance.id}", "address": f"/ip4/127.0.0.1/tcp/1/p2p/peer-{instance.id}"}
+
+
+def make_config(runs_dir: Path, *, spot_prices: dict[str, float] | None = None, min_workers: int = 0,
+                max_workers: int = 3, spot: dict | None = None, budget: dict | None = None,
+                every_s: float = 60.0) -> ClusterConfig:
+    return ClusterConfig.model_validate({
+        "cluster_name": "c", "runs_dir": str(runs_dir),
+        "provider": {"type": "local", "zones": ZONES},
+        "available_node_types": {NODE: {
+            "min_workers": min_workers, "max_workers": max_workers, "on_demand_price_per_hour": 1.0,
+            "spot_price_per_hour": spot_prices or {"a": 0.3, "b": 0.4, "c": 0.5}, "spot": True}},
+        "spot": spot or {}, "budget": budget or {}, "checkpoint": {"every_s": every_s},
+        "dashboard": {"enabled": False},
+    })
+
+
+def price_table(config: ClusterConfig) -> dict[tuple[str, str, str], float]:
+    """The config's prices as the provider quotes them (missing spot zones: 0.3 x on-demand)."""
+    table = {}
+    for name, node_type in config.available_node_types.items():
+        od = node_type.on_demand_price_per_hour
+        for zone in config.provider.zones:
+            table[(name, zone, "spot")] = node_type.spot_price_per_hour.get(zone, 0.3 * od)
+            table[(name, zone, "on-demand")] = od
+    return table
+
+
+@dataclass
+class Rig:
+    config: ClusterConfig
+    clock: FakeClock
+    provider: FakeProvider
+    store: RunStore
+    workers: FakeWorkers
+    policies: list[FleetPolicy] = field(default_factory=list)
+
+    @property
+    def policy(self) -> FleetPolicy:
+        return self.policies[-1]
+
+    def new_policy(self, workers: FakeWorkers | None = None, max_calls: int = 16) -> FleetPolicy:
+        """A policy on this rig's store and cloud (a second one is a restarted supervisor)."""
+        if workers is not None:
+            self.workers = workers
+        policy = FleetPolicy(self.config, self.provider, self.clock, self.store, self.workers,
+                             worker_args=lambda: {"run": self.config.cluster_name}, max_calls=max_calls)
+        self.policies.append(policy)
+        return policy
+
+
+@pytest.fixture
+def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+    """Builds a policy over a fake cloud and a real store; shuts every one down after the test."""
+    rigs: list[Rig] = []
+
+    def make(max_calls: int = 16, **options: Any) -> Rig:
+        config = make_config(tmp_path / f"runs{len(rigs)}", **options)
+        clock = FakeClock()
+        RunStore.create(config).close()
+        store = RunStore(config.run_dir())
+        store.clock = clock  # as the supervisor does: the store's times are the policy's
+        rig = Rig(config, clock, FakeProvider(clock, price_table(config)), store, FakeWorkers())
+        rigs.append(rig)
+        rig.new_policy(max_calls=max_calls)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.provider.gate.set()  # no launch thread outlives its test
+        for policy in rig.policies:
+            policy.shutdown()
+        rig.store.close()
+
+
+# ---- driving the tick -----------------------------------------------------------------------------
+def wait_until(condition: Callable[[], bool], deadline: float, what: str) -> None:
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def poll_done(policy: FleetPolicy) -> bool:
+    return policy._poll is None or policy._poll.done()
+
+
+def calls_done(policy: FleetPolicy) -> bool:
+    return poll_done(policy) and all(b.future.done() for b in policy._background)
+
+
+def state(policy: FleetPolicy) -> tuple:
+    return (sorted(policy.live), len(policy.pending), policy.launching, sorted(policy.noticed), sorted(policy.left),
+            len(policy.preemptions), policy.budget_exhausted, policy.status_text, len(policy.store.events()))
+
+
+def settle(policy: FleetPolicy, timeout: float = SETTLE_S) -> int:
+    """Tick until every call the policy started has finished and a tick changes nothing.
+
+    The tick only starts provider calls and collects finished ones, so reading outcomes after a
+    single tick would race the pools; this waits on the calls themselves, bounded.  Returns ticks.
+    """
+    deadline = time.monotonic() + timeout
+    before = None
+    ticks = 0
+    while True:
+        policy.tick()
+        ticks += 1
+        wait_until(lambda: calls_done(policy), deadline, "the policy's provider calls")
+        after = state(policy)
+        if after == before and not policy._background:
+            return ticks
+        before = after
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the policy did not settle in {timeout} s: {after}")
+
+
+def tick_until(policy: FleetPolicy, condition: Callable[[], bool], timeout: float = SETTLE_S) -> int:
+    """Tick as the supervisor does (waiting only for the poll, never a launch) until ``condition``."""
+    deadline = time.monotonic() + timeout
+    ticks = 0
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached after {ticks} ticks")
+        policy.tick()
+        ticks += 1
+        wait_until(lambda: poll_done(policy), deadline, "the provider poll")
+    return ticks
+
+
+def preempt(rig: Rig, instance_ids: list[str], notice_s: float = 120.0) -> None:
+    """Notice then kill, as a spot market does, and let the policy replace them."""
+    now = rig.clock()
+    for instance_id in instance_ids:
+        rig.provider.notice(instance_id, now, now + notice_s)
+        rig.provider.kill(instance_id)
+    settle(rig.policy)
+
+
+def kill(rig: Rig, instance_ids: list[str]) -> None:
+    """Instances die without notice (not a preemption) and the policy replaces them."""
+    for instance_id in instance_ids:
+        rig.provider.kill(instance_id)
+    settle(rig.policy)
+
+
+def launched(rig: Rig, start: int = 0) -> list[tuple[str, str]]:
+    return [(s.zone, s.market) for s in rig.provider.specs[start:]]
+
+
+def ids(rig: Rig, start: int = 0) -> list[str]:
+    return [s.instance_id for s in rig.provider.specs[start:]]
+
+
+def end_reasons(rig: Rig) -> dict[str, str | None]:
+    return {r.id: r.end_reason for r in rig.store.instances()}
+
+
+# ---- zone and market ------------------------------------------------------------------------------
+def test_launches_go_to_the_cheapest_zone(make_rig: Callable[..., Rig]) -> None:
+    """Spot prices differ by zone; every launch should pay the lowest."""
+    rig = make_rig(spot_prices={"a": 0.5, "b": 0.3, "c": 0.4}, max_workers=3)
+    settle(rig.policy)
+
+    assert launched(rig) == [("b", "spot")] * 3
+    records = rig.store.instances()
+    assert [(r.zone, r.market, r.price_per_hour, r.ended_at) for r in records] == [("b", "spot", 0.3, None)] * 3
+    assert [r.peer_id for r in records] == [f"peer-{r.id}" for r in records]  # each got its worker
+    assert sorted(rig.workers.placed) == sorted(ids(rig))
+    assert len(rig.store.events("launch")) == 3
+    assert sorted(rig.policy.live) == sorted(ids(rig))
+    assert rig.policy.status_text == "running"
+
+
+def test_recent_preemptions_penalize_a_zone_until_the_window_passes(make_rig: Callable[..., Rig]) -> None:
+    """A zone that keeps preempting costs more than its price says (x 1.5 per preemption in the
+    window), so replacements go elsewhere; each preemption stops counting once the window passes."""
+    rig = make_rig(spot_prices={"a": 0.30, "b": 0.40, "c": 0.50}, max_workers=2, spot={"fallback_window_s": 600})
+    settle(rig.policy)
+    first = ids(rig)
+    assert launched(rig) == [("a", "spot")] * 2
+
+    preempt(rig, first[:1])  # at t=1000: a scores 0.30 x 1.5 = 0.45, above b's 0.40
+    assert launched(rig, 2) == [("b", "spot")]
+    rig.clock.advance(10)
+    preempt(rig, first[1:])  # at t=1010: a scores 0.60
+    assert launched(rig, 3) == [("b", "spot")]
+    reasons = end_reasons(rig)
+    assert [reasons[i] for i in first] == ["preempted", "preempted"]
+    assert len(rig.store.events("notice")) == 2
+    assert sorted(i for i, _ in rig.workers.notified) == sorted(first)
+    assert rig.provider.terminated == []  # the cloud took them; nothing left to release
+
+    in_b = ids(rig, 2)
+    rig.clock.advance(595)  # t=1605: the first preemption left the window, the second (595 s ago) has not
+    kill(rig, in_b[:1])
+    assert launched(rig, 4) == [("b", "spot")]  # a still scores 0.45
+    rig.clock.advance(10)  # t=1615: both have left the window
+    kill(rig, in_b[1:])
+    assert launched(rig, 5) == [("a", "spot")]
+    assert [end_reasons(rig)[i] for i in in_b] == ["died", "died"]  # a death without notice is no penalty
+
+
+def test_spot_above_the_price_cap_everywhere_launches_on_demand(make_rig: Callable[..., Rig]) -> None:
+    """Above max_price_per_hour spot is worse than on-demand for the user; never launch it."""
+    rig = make_rig(spot_prices={"a": 0.5, "b": 0.6, "c": 0.7}, max_workers=2, spot={"max_price_per_hour": 0.4})
+    settle(rig.policy)
+
+    assert [market for _, market in launched(rig)] == ["on-demand"] * 2
+    assert [(r.market, r.price_per_hour) for r in rig.store.instances()] == [("on-demand", 1.0)] * 2
+
+
+def test_price_cap_keeps_launches_in_zones_under_it(make_rig: Callable[..., Rig]) -> None:
+    """Only zones under the cap are candidates, even when preemptions make them score worse than a
+    zone above it (c at 0.7 would beat a penalized a at 1.0 without the cap)."""
+    rig = make_rig(spot_prices={"a": 0.5, "b": 0.8, "c": 0.7}, max_workers=2, spot={"max_price_per_hour": 0.6})
+    settle(rig.policy)
+    assert launched(rig) == [("a", "spot")] * 2
+
+    preempt(rig, ids(rig))
+    assert launched(rig, 2) == [("a", "spot")] * 2
+    assert all(r.price_per_hour <= 0.6 for r in rig.store.instances())
+
+
+def test_falls_back_to_on_demand_after_repeated_preemptions_and_returns(make_rig: Callable[..., Rig]) -> None:
+    """Spot that keeps preempting stalls training; after fallback_to_on_demand_after preemptions in
+    the window launch on-demand, and go back to the cheaper spot once they leave the window."""
+    rig = make_rig(spot_prices={"a": 0.3, "b": 0.35, "c": 0.4}, max_workers=2,
+                   spot={"fallback_to_on_demand_after": 2, "fallback_window_s": 300})
+    settle(rig.policy)
+    first = ids(rig)
+    assert [m for _, m in launched(rig)] == ["spot", "spot"]
+
+    preempt(rig, first[:1])  # one in the window: still spot
+    assert [m for _, m in launched(rig, 2)] == ["spot"]
+    rig.clock.advance(10)
+    preempt(rig, first[1:])  # two: on-demand
+    assert [m for _, m in launched(rig, 3)] == ["on-demand"]
+    on_demand = ids(rig, 3)
+    assert [(r.market, r.price_per_hour) for r in rig.store.instances() if r.id in on_demand] == [("on-demand", 1.0)]
+
+    rig.clock.advance(301)  # both preemptions have left the window
+    kill(rig, on_demand)
+    assert [m for _, m in launched(rig, 4)] == ["spot"]
+
+
+# ---- budget and fleet size ------------------------------------------------------------------------
+def test_hourly_budget_caps_the_fleet(make_rig: Callable[..., Rig]) -> None:
+    """max_dollars_per_hour bounds the fleet's running rate, below max_workers if need be."""
+    rig = make_rig(spot_prices={z: 1.0 for z in ZONES}, max_workers=5, budget={"max_dollars_per_hour": 2.5})
+    settle(rig.policy)
+    rig.clock.advance(60)
+    settle(rig.policy)  # later ticks do not squeeze in a third
+
+    assert len(rig.provider.specs) == 2
+    assert len(rig.policy.live) == 2
+    assert sum(r.price_per_hour for r in rig.store.instances()) <= 2.5
+
+
+def test_total_budget_releases_everything_before_it_is_exceeded(make_rig: Callable[..., Rig]) -> None:
+    """max_total_dollars is a hard cap: once spending (plus a few ticks in reserve) reaches it,
+    every instance is released and the run's cost stays under the cap."""
+    rig = make_rig(spot_prices={z: 1.0 for z in ZONES}, max_workers=2, budget={"max_total_dollars": 1.0})
+    policy = rig.policy
+    tick_s = 70.0  # not a divisor of the time to the cap: the last step would overshoot it
+    policy.spend_margin_s = 3 * tick_s  # as the supervisor sets it: a few ticks of spending in reserve
+    settle(policy)
+    fleet = ids(rig)
+    assert len(fleet) == 2
+
+    for _ in range(100):  # 2 $/h reaches $1 in 30 minutes: about 23 steps with the reserve
+        rig.clock.advance(tick_s)
+        settle(policy)
+        if policy.budget_exhausted:
+            break
+    assert policy.budget_exhausted
+    assert policy.status_text.startswith("budget exhausted")
+    assert policy.live == {}
+    assert sorted(rig.provider.terminated) == sorted(fleet)
+    assert sorted(rig.workers.stopped) == sorted(fleet)  # a graceful stop before the terminate
+    records = rig.store.instances()
+    assert [(r.end_reason, r.ended_at) for r in records] == [("budget", rig.clock())] * 2
+    assert len(rig.store.events("budget_exhausted")) == 1
+    assert summarize_costs(rig.store, rig.clock()).dollars <= 1.0
+
+    rig.clock.advance(3600)
+    settle(policy)
+    assert len(rig.provider.specs) == 2  # nothing is launched after the budget is spent
+    assert summarize_costs(rig.store, rig.clock()).dollars <= 1.0  # released instances cost nothing more
+
+
+def test_launches_max_workers_when_affordable(make_rig: Callable[..., Rig]) -> None:
+    """Without a budget in the way the fleet grows to max_workers, not just min_workers."""
+    rig = make_rig(min_workers=2, max_workers=4)
+    settle(rig.policy)
+
+    assert len(rig.provider.specs) == 4
+    assert len(rig.policy.live) == 4
+    assert rig.policy.status_text == "running"
+
+
+def test_status_says_when_the_budget_is_below_min_workers(make_rig: Callable[..., Rig]) -> None:
+    """Running fewer than min_workers is the operator's call to fix, so the status names it."""
+    rig = make_rig(spot_prices={z: 1.0 for z in ZONES}, min_workers=3, max_workers=4,
+                   budget={"max_dollars_per_hour": 1.5})
+    settle(rig.policy)
+
+    assert len(rig.provider.specs) == 1
+    assert "budget" in rig.policy.status_text
+    assert "min_workers 3" in rig.policy.status_text
+
+
+# ---- a hanging cloud API --------------------------------------------------------------------------
+def test_hanging_launches_do_not_delay_a_notice(make_rig: Callable[..., Rig]) -> None:
+    """A notice gives the worker about two minutes to leave; launches stuck in a cloud API must not
+    hold it back, so the notice reaches the worker within a tick or two.  The stuck launches fill
+    the policy's whole call pool: the poll must not queue behind them."""
+    rig = make_rig(max_workers=6, max_calls=5)
+    policy = rig.policy
+    settle(policy)
+    fleet = ids(rig)
+    survivor = fleet[-1]
+
+    rig.provider.hang = True
+    now = rig.clock()
+    for instance_id in fleet[:5]:
+        rig.provider.notice(instance_id, now, now + 120)
+        rig.provider.kill(instance_id)
+    tick_until(policy, lambda: len(rig.provider.hanging) == 5)
+    replacements = set(rig.provider.hanging)
+
+    deadline = time.monotonic() + SETTLE_S
+    wait_until(lambda: poll_done(policy), deadline, "the provider poll")  # the next poll is sure to see it
+    rig.clock.advance(5)
+    now = rig.clock()
+    rig.provider.notice(survivor, now, now + 120)
+    ticks = tick_until(policy, lambda: survivor in dict(rig.workers.notified))
+
+    assert ticks <= 2
+    assert replacements <= rig.provider.hanging  # all five launches are still stuck
+    assert policy.launching >= 5
+    assert dict(rig.workers.notified)[survivor] == pytest.approx(120 * 0.8)
+    assert {r.id: r.notice_at for r in rig.store.instances()}[survivor] == now
+
+    rig.provider.gate.set()
+    settle(policy)
+    assert rig.provider.hanging == set()
+    assert replacements <= set(policy.live)
+    assert len(policy.live) == 7  # five replacements, the noticed survivor and its own replacement
+    rig.provider.kill(survivor)
+    settle(policy)
+    assert end_reasons(rig)[survivor] == "preempted"
+    assert len(policy.live) == 6
+
+
+# ---- adoption after a restart ---------------------------------------------------------------------
+def test_restarted_policy_adopts_the_live_fleet(make_rig: Callable[..., Rig]) -> None:
+    """A supervisor restart must not double the fleet (and the bill): the new policy finds the
+    run's instances by tag and keeps their running workers."""
+    rig = make_rig(max_workers=3)
+    settle(rig.policy)
+    fleet = ids(rig)
+    before = rig.store.instances()
+    rig.policy.shutdown()  # stop supervising, leaving the fleet running
+
+    workers = FakeWorkers()
+    workers.alive = set(fleet)
+    second = rig.new_policy(workers)
+    rig.clock.advance(30)
+    adopted = second.adopt(lost_at=rig.store.last_time())
+    settle(second)
+
+    assert sorted(adopted) == sorted(fleet)
+    assert sorted(second.live) == sorted(fleet)
+    assert len(rig.provider.specs) == 3  # no new launches
+    assert rig.provider.terminated == []
+    assert workers.placed == []  # running workers are kept, not placed again
+    assert rig.store.instances() == before
+    assert sorted(e[2] for e in rig.store.events("adopted")) == sorted(fleet)
+
+
+def test_adoption_releases_strays_and_closes_lost_instances(make_rig: Callable[..., Rig]) -> None:
+    """The store and the cloud can disagree after a crash: an instance the store closed but the cloud
+    still runs would bill forever, so it is released; one the store thinks open but the cloud lost
+    stops costing at the last moment the store heard from the run."""
+    rig = make_rig(max_workers=3)
+    settle(rig.policy)
+    closed, lost, kept = ids(rig)
+    rig.policy.shutdown()
+
+    rig.clock.advance(60)
+    rig.store.update_instance(closed, ended_at=rig.clock(), end_reason="released")  # terminate never got through
+    closed_record = next(r for r in rig.store.instances() if r.id == closed)
+    last_heard = rig.store.last_time()
+    rig.provider.lose(lost)
+    stray = Instance("c-gpu-0099", NODE, "a", "spot", 0.3, rig.clock(), tags={RUN_TAG: "c"})
+    other_run = Instance("other-gpu-0000", NODE, "a", "spot", 0.3, rig.clock(), tags={RUN_TAG: "other"})
+    rig.provider.add(stray)
+    rig.provider.add(other_run)
+    rig.clock.advance(600)  # the supervisor was down for ten minutes
+
+    workers = FakeWorkers()
+    workers.alive = {kept}
+    second = rig.new_policy(workers)
+    adopted = second.adopt(lost_at=last_heard)
+    lost_record = next(r for r in rig.store.instances() if r.id == lost)
+    assert adopted == [kept]
+    assert (lost_record.end_reason, lost_record.ended_at) == ("lost", last_heard)
+    assert [e[2] for e in rig.store.events("lost")] == [lost]
+
+    settle(second)
+    assert sorted(rig.provider.terminated) == sorted([closed, stray.id])
+    assert other_run.id in rig.provider.instances  # another run's instance is not ours to release
+    assert next(r for r in rig.store.instances() if r.id == closed) == closed_record
+    replacements = ids(rig, 3)  # the fleet is refilled to max_workers around the adopted one
+    assert len(replacements) == 2
+    assert not set(replacements) & {closed, lost, kept}  # ids continue after every id the run used
+    assert sorted(second.live) == sorted([kept, *replacements])
+    assert len(rig.store.instances()) == 5
+
+
+# ---- no Ray -----------------------------------------------------------------------------------------
+def test_policy_module_imports_no_ray() -> None:
+    """The policy must be testable (and these tests fast) without Ray.  A fresh interpreter, since
+    other test modules in the same session may have imported Ray already."""
+    code = "import sys, orchestrator.policy; print('ray' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=25)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
