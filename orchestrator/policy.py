@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import tenacity
 
 from .config import ClusterConfig
-from .providers.base import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG, Instance, LaunchSpec, NodeProvider
+from .providers.base import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG, Instance, LaunchSpec, NodeProvider, PreemptionNotice
 from .run_store import InstanceRecord, RunStore, summarize_costs
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,9 @@ class FleetPolicy:
         self.budget_exhausted = False
         self.status_text = "starting"
         self.fleet_log: list[str] = []  # one line per instance lost, for the operator's console
+        self._boot_failures = 0
+        self._launch_not_before = float("-inf")
+        self._held_notices: list[PreemptionNotice] = []  # for instances whose launch is not collected yet
         self._calls = ThreadPoolExecutor(max_calls, thread_name_prefix="provider")
         self._polls = ThreadPoolExecutor(1, thread_name_prefix="provider-poll")  # never queued behind a launch
         self._poll: Future | None = None
@@ -161,8 +164,13 @@ class FleetPolicy:
         except Exception as e:
             logger.warning("polling the provider failed: %s", e)
             return
+        launching = {b.instance_id for b in self._background if b.kind == "launch"}
+        notices, self._held_notices = self._held_notices + notices, []
         for notice in notices:
             inst = self.live.get(notice.instance_id)
+            if inst is None and notice.instance_id in launching:
+                self._held_notices.append(notice)  # the launch returned but its result is not collected yet
+                continue
             if inst is None or inst.id in self.noticed:
                 continue
             self.noticed.add(inst.id)
@@ -194,6 +202,8 @@ class FleetPolicy:
         self.store.event(reason, instance_id)
         if reason == "preempted":
             self.preemptions.append((now, inst.zone))
+        if reason == "died" and not inst.tags.get("peer_id"):
+            self._boot_failed(now)
         if reason in ("preempted", "died"):
             self.fleet_log.append(f"{reason}: {instance_id} ({inst.zone}, {inst.market}) after "
                                   f"{now - inst.launched_at:.0f} s; a replacement follows")
@@ -217,6 +227,7 @@ class FleetPolicy:
                 self._launched(result)
             elif b.kind == "place" and result:
                 self.store.update_instance(b.instance_id, peer_id=result)
+                self._boot_failures = 0
                 if b.instance_id in self.live:
                     self.live[b.instance_id].tags["peer_id"] = result
 
@@ -311,6 +322,19 @@ class FleetPolicy:
                 self._ended(inst.id, "budget")
                 self._submit("release", inst, self._release, inst)
 
+    def _boot_failed(self, now: float) -> None:
+        """An instance died before its worker ran (a broken image or boot script, a full disk):
+        back off exponentially instead of buying machines as fast as they fail."""
+        self._boot_failures += 1
+        wait = min(self.boot_backoff_s * 2 ** (self._boot_failures - 1), 3600.0)
+        self._launch_not_before = now + wait
+        self.status_text = (f"{self._boot_failures} instances in a row died while booting; "
+                            f"next launch in {wait:.0f} s")
+        self.store.event("boot_backoff", detail={"failures": self._boot_failures, "wait_s": wait})
+
+    #: clock seconds before the first relaunch after an instance died while booting (then doubling)
+    boot_backoff_s: float = 30.0
+
     #: clock seconds of spending the budget check keeps in reserve (a few ticks of the supervisor)
     spend_margin_s: float = 0.0
 
@@ -320,6 +344,8 @@ class FleetPolicy:
         return max(used, default=-1) + 1
 
     def _launch_due(self, now: float) -> None:
+        if now < self._launch_not_before:
+            return
         for p in [p for p in self.pending if p.ready_at <= now]:
             self.pending.remove(p)
             index, self._next_index = self._next_index, self._next_index + 1

@@ -140,11 +140,14 @@ class FakeWorkers:
         self.stopped: list[str] = []
         self.left: set[str] = set()
         self.alive: set[str] = set()  # instances whose worker is already running (adoption)
+        self.refuse = False  # every worker fails to start (a broken image or boot script)
         self._lock = threading.Lock()
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
         with self._lock:
             self.placed.append(instance.id)
+        if self.refuse:
+            raise RuntimeError("the instance's node never joined")
         return f"peer-{instance.id}"
 
     def notify(self, instance: Instance, deadline_s: float) -> None:
@@ -583,6 +586,31 @@ def test_adoption_releases_strays_and_closes_lost_instances(make_rig: Callable[.
 
 
 # ---- no Ray -----------------------------------------------------------------------------------------
+def test_instances_dying_while_booting_are_relaunched_with_backoff(make_rig: Callable[..., Rig]) -> None:
+    """A broken boot must not buy machines as fast as they fail: relaunches wait 30 s, then 60 s,
+    and a worker that starts resets the wait."""
+    rig = make_rig(max_workers=1)
+    rig.workers.refuse = True
+    settle(rig.policy)
+    assert len(rig.provider.specs) == 1 and list(end_reasons(rig).values()) == ["died"]
+    assert "died while booting" in rig.policy.status_text
+    assert rig.provider.terminated == ids(rig)  # the broken machine is released, not left billing
+    for wait in (30.0, 60.0):
+        launches = len(rig.provider.specs)
+        rig.clock.advance(wait - 1)
+        settle(rig.policy)
+        assert len(rig.provider.specs) == launches  # still waiting
+        rig.clock.advance(2)
+        settle(rig.policy)
+        assert len(rig.provider.specs) == launches + 1
+    rig.workers.refuse = False
+    rig.clock.advance(121)
+    settle(rig.policy)
+    assert len(rig.policy.live) == 1 and rig.policy.status_text == "running"
+    kill(rig, list(rig.policy.live))  # an ordinary death after a good boot: replaced at once
+    assert len(rig.policy.live) == 1 and len(rig.provider.specs) == 5
+
+
 def test_policy_module_imports_no_ray() -> None:
     """The policy must be testable (and these tests fast) without Ray.  A fresh interpreter, since
     other test modules in the same session may have imported Ray already."""
