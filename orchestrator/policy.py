@@ -251,6 +251,8 @@ class FleetPolicy:
         """Keep at least min_workers and scale up to max_workers while the budget allows."""
         launching = [b.detail for b in self._background if b.kind == "launch"]
         for name, node_type in self.config.available_node_types.items():
+            if name == self.config.head_node_type:
+                continue  # the head is the machine the supervisor runs on, not one of the fleet's
             have = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
             have += sum(1 for p in self.pending if p.node_type == name)
             have += sum(1 for s in launching if s.node_type == name)

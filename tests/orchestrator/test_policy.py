@@ -611,6 +611,17 @@ def test_instances_dying_while_booting_are_relaunched_with_backoff(make_rig: Cal
     assert len(rig.policy.live) == 1 and len(rig.provider.specs) == 5
 
 
+def test_the_head_node_type_is_never_launched(make_rig: Callable[..., Rig]) -> None:
+    """The head is where the supervisor runs; its node type is not part of the fleet."""
+    rig = make_rig(max_workers=2)
+    config = rig.config.model_copy(update={"head_node_type": NODE})
+    policy = FleetPolicy(config, rig.provider, rig.clock, rig.store, rig.workers, worker_args=dict)
+    rig.policies.append(policy)
+    rig.policies[0].shutdown()
+    settle(policy)
+    assert rig.provider.specs == [] and policy.live == {}
+
+
 def test_policy_module_imports_no_ray() -> None:
     """The policy must be testable (and these tests fast) without Ray.  A fresh interpreter, since
     other test modules in the same session may have imported Ray already."""
