@@ -137,6 +137,8 @@ class RayWorkers:
         except ValueError:
             return
         try:
+            # a worker still booting answers nothing until its start returns: nothing to leave yet
+            ray.get(actor.status.remote(), timeout=2)
             ray.get(actor.stop.remote(), timeout=30)
         finally:
             ray.kill(actor)

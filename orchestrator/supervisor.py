@@ -224,9 +224,10 @@ class SupervisorCore:
             return
         current = [p for p in peers.values() if p.epoch == epoch]
         losses = [p.loss for p in peers.values() if p.loss is not None]
+        fresh = sum(time.time() - p.time <= self.tracker.fresh_for for p in peers.values())  # not the dead's
         self.epoch = epoch
         self.store.progress(epoch, sum(losses) / len(losses) if losses else None,
-                            sum(p.samples_per_second for p in current), len(peers),
+                            sum(p.samples_per_second for p in current), max(fresh, 1),
                             epoch * self.config.training.target_batch_size)
 
     def _record_first_steps(self, peers: dict) -> None:

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -68,12 +69,21 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.instances: dict[str, Instance] = {}
         self.stop_timeout = 30.0
+        self._lock = threading.Lock()
+        self._namespace_of: dict[str, str] = {}  # instance id -> the network namespace it holds
 
     # ---- launching -------------------------------------------------------------------------------
     def launch(self, spec: LaunchSpec) -> Instance:
         if spec.boot_script is None:
             raise ValueError(f"{spec.instance_id}: the nodes mode needs a boot script to run")
-        namespace = self._free_namespace()
+        namespace = self._reserve_namespace(spec.instance_id)
+        try:
+            return self._boot(spec, namespace)
+        except BaseException:
+            self._release_namespace(spec.instance_id)
+            raise
+
+    def _boot(self, spec: LaunchSpec, namespace: str | None) -> Instance:
         script = self.state_dir / f"{spec.instance_id}.sh"
         script.write_text(spec.boot_script)
         pid_file = self.state_dir / f"{spec.instance_id}.pid"
@@ -122,15 +132,22 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
             time.sleep(0.01)  # the detached boot process writes it within milliseconds
         raise RuntimeError(f"the boot process did not start within {timeout:.0f} s (no {pid_file.name})")
 
-    def _free_namespace(self) -> str | None:
+    def _reserve_namespace(self, instance_id: str) -> str | None:
+        """A namespace no other instance holds; launches run concurrently, so it is taken under a
+        lock before the boot starts and given back only when the instance is gone."""
         namespaces = self.config.provider.namespaces
         if not namespaces:
             return None
-        used = {self._load(i).get("namespace") for i in self.instances}
-        for name in namespaces:
-            if name not in used:
-                return name
+        with self._lock:
+            for name in namespaces:
+                if name not in self._namespace_of.values():
+                    self._namespace_of[instance_id] = name
+                    return name
         raise RuntimeError(f"every network namespace of provider.namespaces is in use ({len(namespaces)})")
+
+    def _release_namespace(self, instance_id: str) -> None:
+        with self._lock:
+            self._namespace_of.pop(instance_id, None)
 
     # ---- the simulated cloud's inventory ---------------------------------------------------------
     def _record_path(self, instance_id: str) -> Path:
@@ -153,6 +170,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
 
     def _forget(self, instance_id: str) -> None:
         self.instances.pop(instance_id, None)
+        self._release_namespace(instance_id)
         self._record_path(instance_id).unlink(missing_ok=True)
         shutil.rmtree(self._temp_dir(instance_id), ignore_errors=True)  # the machine's disk goes with it
 
@@ -173,6 +191,9 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
                                 record["price_per_hour"], record["launched_at"], tags=record["tags"],
                                 handle=record["leader"])
                 self.instances[inst.id] = inst
+                if record.get("namespace"):
+                    with self._lock:
+                        self._namespace_of[inst.id] = record["namespace"]
                 if record.get("schedule"):
                     self.schedules[inst.id] = _Schedule(**record["schedule"])
             out.append(inst)
@@ -184,7 +205,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         for notice in notices:  # remembered, so a restarted supervisor does not notice twice
             inst = self.instances.get(notice.instance_id)
             if inst is not None:
-                self._save(inst, self._load(inst.id).get("namespace"))
+                self._save(inst, self._namespace_of.get(inst.id))
         return notices
 
     def poll_terminated(self, now: float) -> list[str]:
