@@ -149,6 +149,8 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
                 live.update(_status_table(status))
                 if status["budget_exhausted"]:
                     break
+        if not console.is_terminal:
+            console.line()  # a live table written to a file or pipe ends without a newline
         console.print("stopping: releasing every instance (the run's data is kept)")
         ray.get(supervisor.stop.remote(), timeout=120)
         return status
