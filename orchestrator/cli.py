@@ -121,7 +121,7 @@ def _report(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from .cluster import down
 
-    return down(args.run, _console())
+    return down(args.run, _console(), address=args.address)
 
 
 def _runs(args: argparse.Namespace) -> int:
@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=_report)
     dn = sub.add_parser("down", help="stop a running run: release every instance, keep its data")
     dn.add_argument("run", help="run directory")
+    dn.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
+                    help="the Ray cluster whose detached supervisor runs the run (default: its ray.address)")
     dn.set_defaults(func=_down)
     rn = sub.add_parser("runs", help="list runs")
     rn.add_argument("--base", default="runs", help="runs directory (default runs)")

@@ -241,22 +241,48 @@ def report(run_dir: str, out: str | None, console: Console) -> int:
     return 0
 
 
-def down(run_dir: str, console: Console) -> int:
+def down(run_dir: str, console: Console, address: str | None = None) -> int:
+    """Stop a run: through the ``up`` command that runs it, or, when that command is gone while its
+    detached supervisor runs on a Ray cluster, through the supervisor itself."""
     pid_file = Path(run_dir) / PID_FILE
-    if not pid_file.exists():
-        console.print(f"{run_dir}: not running (its data is kept)")
-        return 0
-    pid = int(pid_file.read_text())
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pid_file.unlink(missing_ok=True)
-        console.print(f"{run_dir}: its process is gone; marked stopped")
-        return 0
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pid_file.unlink(missing_ok=True)
+            pid = None
+    if pid is None:
+        return _down_detached(Path(run_dir), console, address)
     deadline = time.monotonic() + 180
     while pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.5)  # waiting for the run's own command to release everything, bounded
     console.print(f"{run_dir}: stopped; every instance released, data kept")
+    return 0
+
+
+def _down_detached(run_dir: Path, console: Console, address: str | None) -> int:
+    store = RunStore.open(run_dir)
+    config = store.config().with_ray_address(address)
+    store.close()
+    if config.ray.address is None:  # a local session ends with its command: nothing can be running
+        console.print(f"{run_dir}: not running (its data is kept)")
+        return 0
+    import ray
+
+    _start_ray(config.ray.address)
+    try:
+        supervisor = ray.get_actor(f"supervisor-{config.cluster_name}")
+    except ValueError:
+        ray.shutdown()
+        console.print(f"{run_dir}: no supervisor on the cluster at {config.ray.address}; not running (data kept)")
+        return 0
+    try:
+        ray.get(supervisor.stop.remote(), timeout=180)
+        ray.kill(supervisor)
+    finally:
+        ray.shutdown()
+    console.print(f"{run_dir}: stopped its detached supervisor; every instance released, data kept")
     return 0
 
 

@@ -1,5 +1,6 @@
 """`spotswarm up --address` joins a Ray cluster it did not start: the supervisor runs on that
-cluster's head, each instance joins it as a Ray node, and releasing the run leaves the head up."""
+cluster's head as a detached actor (the run goes on when the command dies, and `down` stops it
+there), each instance joins it as a Ray node, and releasing the run leaves the head up."""
 
 from __future__ import annotations
 
@@ -56,8 +57,15 @@ def rows(db: Path, sql: str) -> list:
         conn.close()
 
 
+def epoch(db: Path) -> int:
+    try:
+        return rows(db, "SELECT COALESCE(MAX(epoch), 0) FROM progress")[0][0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
 @pytest.mark.timeout(300)
-def test_up_joins_an_existing_cluster_with_the_supervisor_on_its_head(tmp_path):
+def test_up_joins_an_existing_cluster_and_its_run_outlives_the_command(tmp_path, wait_for):
     temp = Path(f"/tmp/ssw-join-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "PYTHONPATH": str(ROOT)}
@@ -74,17 +82,28 @@ def test_up_joins_an_existing_cluster_with_the_supervisor_on_its_head(tmp_path):
             time.sleep(0.1)  # polling for the head to write its address, bounded
         address = address_file.read_text().strip()
         (tmp_path / "cluster.yaml").write_text(CONFIG)
-        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", "cluster.yaml", "--address", address,
-                             "--duration", "25"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert up.returncode == 0, up.stderr[-3000:]
         db = tmp_path / "runs" / "j" / "run.sqlite"
+        cli = [sys.executable, "-m", "orchestrator.cli"]
+        with open(tmp_path / "up.out", "w") as out:
+            up = subprocess.Popen([*cli, "up", "cluster.yaml", "--address", address, "--duration", "240"],
+                                  cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: epoch(db) >= 20, 120, "the fleet to train")
+        up.kill()  # the command that started the run dies: the detached supervisor carries on
+        up.wait(timeout=30)
+        after_kill = epoch(db)
+        wait_for(lambda: epoch(db) >= after_kill + 20, 120, "training to go on without the command")
+
+        down = subprocess.run([*cli, "down", "runs/j"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=200)
+        assert down.returncode == 0 and "detached supervisor" in down.stdout, down.stdout + down.stderr
         (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'supervisor_start'")
         assert json.loads(detail)["ray_node"]["head"] is True  # pinned to the cluster's head
         assert sorted(rows(db, "SELECT id, end_reason FROM instances")) == [("j-small-0000", "released"),
                                                                           ("j-small-0001", "released")]
-        assert rows(db, "SELECT MAX(epoch) FROM progress")[0][0] > 0  # they trained together
+        assert not list((tmp_path / "runs" / "j" / "nodes").glob("*.json"))  # every node stopped
         assert head.poll() is None  # releasing the run stops its instances' nodes, not the cluster
-        assert "worker died or was killed" not in up.stdout  # no raylet paragraphs on the console
+        output = (tmp_path / "up.out").read_text()
+        assert "worker died or was killed" not in output  # no raylet paragraphs on the console
     finally:
         kill_session(head.pid)
         head.wait(timeout=30)
