@@ -46,7 +46,7 @@ class WorkerConfig(pydantic.BaseModel):
     min_matchmaking_time: float = pydantic.Field(2.0, gt=0)
     averaging_timeout: float = pydantic.Field(30.0, gt=0)
     moshpit_grid: list[int] = [2, 2]
-    group_size: int = pydantic.Field(16, ge=2)  # the largest averaging group (moshpit: also at most max(grid))
+    group_size: int = pydantic.Field(16, ge=2)  # moshpit: the largest averaging group (also at most max(grid))
     averaging_period: int = pydantic.Field(10, gt=0)
     max_epochs: int | None = pydantic.Field(None, gt=0)
     max_seconds: float | None = pydantic.Field(None, gt=0)
@@ -79,7 +79,7 @@ class TrainingPeer:
             self.optimizer = CollaborativeOptimizer(
                 optimizer, self.dht, config.run, config.target_batch_size, scheduler=scheduler,
                 compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
-                averaging_timeout=config.averaging_timeout, max_group_size=config.group_size)
+                averaging_timeout=config.averaging_timeout)
         else:
             self.optimizer = MoshpitSGD(optimizer, self.dht, config.run, grid=config.moshpit_grid,
                                         averaging_period=config.averaging_period,
