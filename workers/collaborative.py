@@ -72,6 +72,7 @@ class CollaborativeOptimizer:
         self._last_advert = 0.0
         self.advert_expiration = 60.0
         self._leaving = False
+        self._alone_not_before = 0.0  # monotonic time before which we never step alone (see _rejoin)
         signer = signature_validator(dht)
         grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
 
@@ -95,6 +96,7 @@ class CollaborativeOptimizer:
         """Call after ``loss.backward()``; returns True when a global optimizer step happened."""
         if self._leaving:
             return False
+        away = self._was_away()
         self._accumulate(batch_size, loss)
         self._report()
         self.keep_alive()
@@ -102,9 +104,30 @@ class CollaborativeOptimizer:
         if progress.epoch > self.epoch:
             self._catch_up(progress.epoch)
             return False
+        if away:
+            self._rejoin()
+            return False
         if not progress.ready:
             return False
+        if progress.live_peers <= 1 and time.monotonic() < self._alone_not_before:
+            return False  # our view of the others may be as old as our absence: wait for theirs to refresh
         return self._global_step(progress)
+
+    def _was_away(self) -> bool:
+        """Whether this process stood still (paused, swapped out) longer than a record stays fresh since
+        its last step began.  A step that waited that long for a group counts too: a cautious rejoin
+        costs it one epoch's local gradients, never a divergence."""
+        return self._last_step_time is not None and time.monotonic() - self._last_step_time > self.tracker.fresh_for
+
+    def _rejoin(self) -> None:
+        """Back from an absence, the others' records we hold are stale, so they look dead; more likely
+        they moved on without us.  Load their newer state if any, and step alone only after giving
+        their records as long to refresh as they gave ours: never on a stale view."""
+        logger.info("epoch %d: back after standing still; checking whether the others moved on", self.epoch)
+        self._alone_not_before = time.monotonic() + self.tracker.fresh_for
+        if not self._load_state_if_any(min_epoch=self.epoch + 1):
+            self._reset_accumulators()  # gradients of an epoch the others may have finished without us
+        self._report(force=True)
 
     def _accumulate(self, batch_size: int, loss: float | None) -> None:
         for p, buf in zip(self.params, self.grad_buffers, strict=True):
