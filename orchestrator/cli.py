@@ -119,9 +119,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from .cluster import down
+    from .cluster import RayConnectError, down
 
-    return down(args.run, _console(), address=args.address)
+    try:
+        return down(args.run, _console(), address=args.address)
+    except RayConnectError as e:
+        print(f"spotswarm down: {e}", file=sys.stderr)
+        return 1
 
 
 def _runs(args: argparse.Namespace) -> int:

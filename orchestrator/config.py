@@ -164,6 +164,7 @@ class TrainingConfig(_Strict):
     compression: Literal["none", "fp16", "uniform8", "blockwise8"] = "none"
     averaging_timeout_s: float = pydantic.Field(30.0, gt=0)
     min_matchmaking_time_s: float = pydantic.Field(2.0, gt=0)
+    param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
 
 
 class CheckpointConfig(_Strict):
@@ -265,7 +266,8 @@ class ClusterConfig(_Strict):
         return WorkerConfig(run=self.cluster_name, task=t.task, mode=t.averaging, initial_peers=initial_peers,
                             target_batch_size=t.target_batch_size, compression=t.compression,
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
-                            moshpit_grid=t.grid, group_size=t.group_size, **extra)
+                            moshpit_grid=t.grid, group_size=t.group_size,
+                            param_digests=t.param_digests, **extra)
 
 
 # ---- loading with line numbers ---------------------------------------------------------------
@@ -344,16 +346,9 @@ def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
 def _node_config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     from .providers import node_config_problems
 
-    out: list[tuple[Loc, str]] = []
-    for name, node_type in config.available_node_types.items():
-        keys = sorted(map(str, node_type.node_config), key=len, reverse=True)  # longest first: "a: b" vs "a"
-        for problem in node_config_problems(config.provider.type, name, node_type.node_config):
-            key = next((k for k in keys if problem.startswith(f"{k}: ")), None)
-            if key is None:
-                out.append((("available_node_types", name, "node_config"), problem))
-            else:
-                out.append((("available_node_types", name, "node_config", key), problem[len(key) + 2:]))
-    return out
+    return [(("available_node_types", name, "node_config", key), message)
+            for name, node_type in config.available_node_types.items()
+            for key, message in node_config_problems(config.provider.type, name, node_type.node_config)]
 
 
 def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
@@ -369,7 +364,7 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     out.extend(_node_config_problems(config))
     fleet = config.max_instances()
     if config.training.averaging == "collaborative" and fleet > config.training.group_size:
-        # groups are capped at group_size; two groups in one epoch would step to different parameters
+        # a run larger than group_size is refused: two groups in one epoch would step to different parameters
         out.append((("training", "group_size"),
                     f"{config.training.group_size} is less than the fleet's largest size, {fleet} instances (the "
                     "sum of max_workers): collaborative averaging needs every live peer in one group; raise "

@@ -20,6 +20,14 @@ from .providers.base import Instance, instance_resource
 logger = logging.getLogger(__name__)
 
 
+def announce_host(listen: str, configured: str | None) -> str | None:
+    """Where other machines reach a peer listening on ``listen``: as configured, else this Ray
+    node's address when it listens on every interface (None: the address it listens on)."""
+    if configured:
+        return configured
+    return ray.util.get_node_ip_address() if listen in ("0.0.0.0", "::") else None
+
+
 def worker_actor_name(instance_id: str) -> str:
     return f"spotswarm-worker-{instance_id}"
 
@@ -38,8 +46,7 @@ class WorkerActor:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args = dict(worker_args)
-        if args.get("announce_host") is None and args.get("host") in ("0.0.0.0", "::"):
-            args["announce_host"] = ray.util.get_node_ip_address()  # what other machines reach us at
+        args["announce_host"] = announce_host(args.get("host", "127.0.0.1"), args.get("announce_host"))
         self.peer = TrainingPeer(WorkerConfig(**args))
         self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
         self.thread.start()

@@ -29,7 +29,7 @@ from .bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from .config import ClusterConfig
 from .policy import FleetPolicy
 from .providers import Instance, LaunchSpec, make_provider
-from .ray_workers import RayWorkers
+from .ray_workers import RayWorkers, announce_host
 from .run_store import RunStore, summarize_costs
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class SupervisorCore:
         port_file = self.store.dir / "head.port"
         port = int(port_file.read_text()) if port_file.exists() else 0
         options = dict(identity=identity, validators=[SignatureValidator(identity)], host=listen,
-                       announce_host=_announce_host(self.config, listen))
+                       announce_host=announce_host(listen, self.config.network.announce_host))
         try:
             dht = DHT([], port=port, **options)
         except OSError as e:
@@ -310,16 +310,6 @@ def _ray_node() -> dict:
     info = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
     return {"id": node_id, "ip": info.get("NodeManagerAddress"),
             "head": "node:__internal_head__" in info.get("Resources", {})}
-
-
-def _announce_host(config: ClusterConfig, listen: str) -> str | None:
-    """Where other machines reach a peer listening on ``listen``: as configured, else its Ray
-    node's address when it listens on every interface."""
-    if config.network.announce_host:
-        return config.network.announce_host
-    if listen in ("0.0.0.0", "::"):
-        return ray.util.get_node_ip_address()
-    return None
 
 
 async def _make(cls: Any, *args: Any) -> Any:

@@ -54,6 +54,7 @@ class WorkerConfig(pydantic.BaseModel):
     min_peers: int = pydantic.Field(1, ge=1)  # wait until this many peers are up before training
     min_peers_timeout: float = pydantic.Field(120.0, gt=0)
     report_file: str | None = None
+    param_digests: bool = False  # keep a digest of the parameters per epoch in ``history`` (hashes them all)
 
 
 def params_digest(params: list[torch.Tensor]) -> str:
@@ -153,7 +154,9 @@ class TrainingPeer:
         peers = self._peers()
         logger.info("epoch %d loss %.4f samples/s %.1f peers %d", self.epoch, loss, samples_per_second, peers)
         record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
-                  "params": params_digest(list(self.model.parameters())), "time": time.time()}
+                  "time": time.time()}
+        if self._report is not None or self.config.param_digests:  # hashing every parameter is not free
+            record["params"] = params_digest(list(self.model.parameters()))
         self.history.append(record)
         if self._report is not None:
             self._report.write(json.dumps(record) + "\n")

@@ -25,10 +25,10 @@ def provider_problem(provider_type: str) -> str | None:
     return f"provider.type {provider_type!r} is not a provider (this build runs {runnable})"
 
 
-def node_config_problems(provider_type: str, node_type: str, node_config: dict) -> list[str]:
-    """The provider's own checks of ``available_node_types.<node_type>.node_config``: one message
-    per problem, each starting with the key it is about and ``": "``.  The cloud providers pass
-    ``node_config`` to their APIs, which judge it; the local one reads only a label."""
+def node_config_problems(provider_type: str, node_type: str, node_config: dict) -> list[tuple[str, str]]:
+    """The provider's own checks of ``available_node_types.<node_type>.node_config``, as (key,
+    message).  The cloud providers pass ``node_config`` to their APIs, which judge it; the local one
+    reads only a label."""
     if provider_type != "local":
         return []
     problems = []
@@ -36,11 +36,11 @@ def node_config_problems(provider_type: str, node_type: str, node_config: dict) 
         if key not in _LOCAL_NODE_CONFIG_KEYS:
             folded = {k.casefold(): k for k in _LOCAL_NODE_CONFIG_KEYS}  # instance_type -> InstanceType too
             hint = difflib.get_close_matches(str(key).replace("_", "").casefold(), list(folded), n=1)
-            problems.append(f"{key}: unknown key for the local provider" + (
+            problems.append((key, "unknown key for the local provider" + (
                 f"; did you mean {folded[hint[0]]!r}?" if hint
-                else f" (it reads only {', '.join(_LOCAL_NODE_CONFIG_KEYS)})"))
+                else f" (it reads only {', '.join(_LOCAL_NODE_CONFIG_KEYS)})")))
         elif not isinstance(value, str):
-            problems.append(f"{key}: must be a string, a label for node type {node_type!r} (got {value!r})")
+            problems.append((key, f"must be a string, a label for node type {node_type!r} (got {value!r})"))
     return problems
 
 

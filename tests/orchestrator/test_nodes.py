@@ -40,7 +40,7 @@ def node_config(tmp_path: Path) -> ClusterConfig:
                                            "on_demand_price_per_hour": 1.0}},
         "spot": {"notice_period_s": 60.0},
         "training": {"task": "synthetic", "target_batch_size": 64, "min_matchmaking_time_s": 0.5,
-                     "averaging_timeout_s": 10.0},
+                     "averaging_timeout_s": 10.0, "param_digests": True},
         "checkpoint": {"every_s": 600.0},
         "dashboard": {"enabled": False},
     })
