@@ -40,6 +40,8 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     """``up`` or ``resume``: a bad config or an unreachable cluster is one clear message, no traceback."""
     from . import cluster
     from .config import ConfigError
+    from .durable import ArchiveError
+    from .providers.base import ProviderAuthError
 
     try:
         return getattr(cluster, command)(target, args.duration, _console(), address=args.address)
@@ -49,6 +51,15 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     except cluster.RayConnectError as e:
         print(f"spotswarm {command}: {e}", file=sys.stderr)
         return 1
+    except ProviderAuthError as e:
+        print(f"spotswarm {command}: nothing started: {e}", file=sys.stderr)
+        return 2
+    except cluster.ResumeError as e:
+        print(f"spotswarm {command}: {e}; nothing started", file=sys.stderr)
+        return 2
+    except ArchiveError as e:  # S3 refused (no bucket, access denied) or kept failing
+        print(f"spotswarm {command}: {e}", file=sys.stderr)
+        return 1
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -56,26 +67,30 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    return _foreground("resume", args.run, args)
+    return _foreground("resume", args.target, args)
 
 
-def validate(path: str) -> tuple[bool, str]:
+def validate(path: str, warnings: list[str] | None = None) -> tuple[bool, str]:
     """Check a cluster YAML as ``up`` would, starting nothing (no Ray, no run directory): whether
-    it is valid, and the summary line or every problem."""
+    it is valid, and the summary line or every problem.  Warnings go to ``warnings`` if given
+    (else to the log); they do not make the file invalid."""
     from .config import ConfigError, load_cluster_config
 
     try:
-        config = load_cluster_config(path)
+        config = load_cluster_config(path, warnings)
     except ConfigError as e:
         return False, str(e)
     types = config.available_node_types
-    low = sum(t.min_workers for t in types.values())
+    low = sum(t.min_workers for t in config.fleet_types().values())
     return True, (f"{path}: valid (provider {config.provider.type}, mode {config.provider.mode}, "
                   f"{len(types)} node type{'s' if len(types) != 1 else ''}, {low}..{config.max_instances()} instances)")
 
 
 def _validate(args: argparse.Namespace) -> int:
-    ok, text = validate(args.config)
+    warnings: list[str] = []
+    ok, text = validate(args.config, warnings)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     print(text, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 2
 
@@ -120,12 +135,17 @@ def _report(args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     from .cluster import RayConnectError, down
+    from .config import ConfigError
+    from .providers.base import ProviderError
 
     try:
         return down(args.run, _console(), address=args.address)
     except RayConnectError as e:
         print(f"spotswarm down: {e}", file=sys.stderr)
         return 1
+    except (ConfigError, ProviderError) as e:
+        print(f"spotswarm down: {e}", file=sys.stderr)
+        return 2
 
 
 def _runs(args: argparse.Namespace) -> int:
@@ -171,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="join this Ray cluster instead of starting one (overrides ray.address)")
     upp.set_defaults(func=_up)
     res = sub.add_parser("resume", help="continue a run after its fleet, supervisor or Ray died")
-    res.add_argument("run", help="run directory, e.g. runs/local-demo")
+    res.add_argument("target", metavar="TARGET",
+                     help="run directory (e.g. runs/local-demo), or the run's cluster YAML: its run directory, "
+                          "restored from checkpoint.uri (S3) first when this machine has none")
     res.add_argument("--duration", type=float, help="stop after this many seconds")
     res.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
                      help="join this Ray cluster instead of starting one (overrides ray.address)")
@@ -201,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", metavar="DIR", help="where to write it (default <run>/report)")
     rp.set_defaults(func=_report)
     dn = sub.add_parser("down", help="stop a running run: release every instance, keep its data")
-    dn.add_argument("run", help="run directory")
+    dn.add_argument("run", metavar="RUN_DIR|CONFIG",
+                    help="run directory, or cluster YAML (a cloud run's tagged instances are terminated too, "
+                         "even with no head left)")
     dn.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
                     help="the Ray cluster whose detached supervisor runs the run (default: its ray.address)")
     dn.set_defaults(func=_down)

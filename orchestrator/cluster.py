@@ -147,7 +147,7 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
                     console.print(line)
                 seen = status["fleet_events_total"]
                 live.update(_status_table(status))
-                if status["budget_exhausted"]:
+                if status["budget_exhausted"] or status.get("fatal"):
                     break
         if not console.is_terminal:
             console.line()  # a live table written to a file or pipe ends without a newline
@@ -184,19 +184,80 @@ def print_summary(run_dir: Path, console: Console) -> None:
     console.print(table)
 
 
-def up(config_path: str, duration: float | None, console: Console, address: str | None = None) -> int:
-    config = load_cluster_config(config_path)  # ConfigError before anything starts
-    config = config.with_ray_address(address)
-    store = RunStore.create(config)
-    store.close()
-    run_dir = config.run_dir()
-    run_foreground(config, run_dir, duration, console)
+def preflight(config: ClusterConfig) -> None:
+    """Ask the cloud one cheap question before anything starts, so that refused credentials are one
+    clear ProviderAuthError here instead of a supervisor that cannot launch anything."""
+    if config.provider.type == "local":
+        return
+    from .providers import make_provider
+
+    make_provider(config, time.time, config.run_dir()).shutdown()  # it reads zones and prices on creation
+
+
+def finish(status: dict, run_dir: Path, console: Console) -> int:
+    """The summary, and the exit status: 2 when the run stopped on a problem only a person can fix."""
     print_summary(run_dir, console)
+    if status.get("fatal"):
+        console.print(f"[bold red]the run stopped:[/] {status['fatal']}")
+        return 2
     return 0
 
 
-def resume(run_dir: str, duration: float | None, console: Console, address: str | None = None) -> int:
-    path = Path(run_dir)
+def up(config_path: str, duration: float | None, console: Console, address: str | None = None) -> int:
+    config = load_cluster_config(config_path)  # ConfigError before anything starts
+    config = config.with_ray_address(address)
+    preflight(config)
+    store = RunStore.create(config)
+    store.close()
+    run_dir = config.run_dir()
+    status = run_foreground(config, run_dir, duration, console)
+    return finish(status, run_dir, console)
+
+
+class ResumeError(RuntimeError):
+    """``resume``'s TARGET names no run this machine has or can restore; nothing was started."""
+
+
+def resume_target(target: str, console: Console) -> Path:
+    """The run directory ``resume`` continues.  TARGET is a run directory, or a cluster YAML whose
+    ``run_dir()`` is used; when that holds no run yet and the YAML has ``checkpoint.uri``, the run
+    is restored from S3 first (a new head machine continuing a run whose head vanished)."""
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "run.sqlite").exists():
+            raise ResumeError(f"{target} is not a run directory (no run.sqlite)")
+        return path
+    if not path.is_file():
+        raise ResumeError(f"{target}: no such run directory or cluster YAML")
+    config = load_cluster_config(target)
+    run_dir = config.run_dir()
+    if (run_dir / "run.sqlite").exists():
+        return run_dir
+    if not config.checkpoint.uri:
+        raise ResumeError(f"{target}: no run at {run_dir}, and no checkpoint.uri to restore one from")
+    epoch = restore_run(config, run_dir)
+    console.print(f"restored run {config.cluster_name} from {config.checkpoint.uri} "
+                  f"at checkpoint epoch {epoch if epoch is not None else 'none'}")
+    return run_dir
+
+
+def restore_run(config: ClusterConfig, run_dir: Path) -> int | None:
+    """Restore ``run_dir`` from the config's S3 archive; returns the restored checkpoint's epoch.
+    The store records a ``restored`` event: its open instances belong to the lost head's fleet."""
+    from .durable import ArchiveMissing, RunArchive
+
+    archive = RunArchive.for_config(config)
+    if archive is None:
+        raise ResumeError(f"run {config.cluster_name} has no checkpoint.uri to restore from")
+    try:
+        return archive.restore(run_dir)
+    except ArchiveMissing as e:
+        raise ResumeError(f"no run at {run_dir}, and none archived: {e}") from None
+
+
+def resume(target: str, duration: float | None, console: Console, address: str | None = None) -> int:
+    """Continue a run from a run directory or a cluster YAML (see ``resume_target``)."""
+    path = resume_target(target, console)
     store = RunStore.open(path)
     config = store.config().with_ray_address(address)
     latest = store.latest_checkpoint()
@@ -241,7 +302,29 @@ def report(run_dir: str, out: str | None, console: Console) -> int:
     return 0
 
 
-def down(run_dir: str, console: Console, address: str | None = None) -> int:
+def down(target: str, console: Console, address: str | None = None) -> int:
+    """Stop a run given its run directory or its cluster YAML.  With a YAML of a cloud run, every
+    instance tagged with the run is terminated afterwards as well, even when no head is left to
+    ask (the head machine vanished, and with it the run directory)."""
+    path = Path(target)
+    if not path.is_file():
+        return _down_run(target, console, address)
+    config = load_cluster_config(target)
+    code = 0
+    if (config.run_dir() / "run.sqlite").exists():
+        code = _down_run(str(config.run_dir()), console, address)
+    if config.provider.type == "aws":
+        from .providers.aws import terminate_run
+
+        ids = terminate_run(config)
+        console.print(f"{config.cluster_name}: terminated {len(ids)} instance{'s' if len(ids) != 1 else ''} "
+                      f"tagged with the run" + (f" ({', '.join(ids)})" if ids else ""))
+    elif not (config.run_dir() / "run.sqlite").exists():
+        console.print(f"{target}: no run at {config.run_dir()}; nothing to stop")
+    return code
+
+
+def _down_run(run_dir: str, console: Console, address: str | None = None) -> int:
     """Stop a run: through the ``up`` command that runs it, or, when that command is gone while its
     detached supervisor runs on a Ray cluster, through the supervisor itself."""
     pid_file = Path(run_dir) / PID_FILE

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import logging
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +18,8 @@ import pydantic
 import yaml
 
 from workers.peer import WorkerConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -76,6 +80,40 @@ def check_ray_address(value: str) -> str:
     return value
 
 
+def check_endpoint_url(value: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host (an S3- or EC2-compatible endpoint, e.g. moto's)."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and value.isprintable()
+        parts.port  # noqa: B018 - raises ValueError on a port that is not one
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{value!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:5000")
+    return value
+
+
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def check_s3_uri(value: str) -> str:
+    """``s3://bucket`` or ``s3://bucket/prefix``, with S3's bucket naming rules."""
+    if not value.startswith("s3://"):
+        raise ValueError(f"{value!r}: only s3:// URIs are supported, e.g. s3://my-bucket/runs")
+    bucket, _, prefix = value.removeprefix("s3://").partition("/")
+    if not _S3_BUCKET.fullmatch(bucket):
+        raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name (3 to 63 lowercase letters, digits, "
+                         "dots and hyphens, starting and ending with a letter or digit)")
+    if not prefix.isprintable():
+        raise ValueError(f"{value!r}: the key prefix has a control character")
+    return value
+
+
+def split_zones(value: str) -> list[str]:
+    """Ray's ``provider.availability_zone``, ``"us-east-1a,us-east-1b"``, as a list of zones."""
+    return [zone.strip() for zone in value.split(",")]
+
+
 class ProviderConfig(_Strict):
     type: Literal["local", "aws", "gcp"] = "local"
     # local simulator only: "actors" runs each instance as a Ray actor on the driver's node (light);
@@ -83,6 +121,9 @@ class ProviderConfig(_Strict):
     mode: Literal["actors", "nodes"] = "actors"
     namespaces: list[str] = []  # local "nodes" only: network namespaces, one per instance, own IPs
     region: str = "local"
+    # Ray's key, comma-separated; for the cloud providers it gives zones when zones is not given
+    availability_zone: str | None = None
+    # aws: not given (and no availability_zone) means [], "the subnets' zones, or every zone of the region"
     zones: list[str] = ["local-a", "local-b"]
     # local simulator only
     time_scale: float = pydantic.Field(1.0, gt=0, description="simulated seconds per real second")
@@ -117,6 +158,44 @@ class ProviderConfig(_Strict):
         if duplicates:
             raise ValueError(f"listed more than once: {', '.join(map(repr, duplicates))}")
         return names
+
+    @pydantic.field_validator("availability_zone")
+    @classmethod
+    def _availability_zone(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if info.data.get("type") == "local":
+            raise ValueError("Ray's key for a cloud provider's zones; the local simulator's zones are provider.zones")
+        if "" in split_zones(value):
+            raise ValueError(f"{value!r}: expected zone names separated by commas, e.g. 'us-east-1a,us-east-1b'")
+        return value
+
+    @pydantic.field_validator("zones")
+    @classmethod
+    def _zones_agree(cls, zones: list[str], info: pydantic.ValidationInfo) -> list[str]:
+        """Runs only for zones given explicitly: they must name what availability_zone names."""
+        given = info.data.get("availability_zone")
+        if given is not None and set(split_zones(given)) != set(zones):
+            raise ValueError(f"{zones} and provider.availability_zone {given!r} name different zones; "
+                             "give one of them")
+        return zones
+
+    @pydantic.field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint_url(value)
+
+    @pydantic.model_validator(mode="after")
+    def _default_zones(self) -> ProviderConfig:
+        """A cloud provider's zones: ``zones``, else ``availability_zone``; for aws else [] (the
+        provider finds them: the subnets' zones, or every zone of the region)."""
+        if self.type == "local" or "zones" in self.model_fields_set:
+            return self
+        if self.availability_zone is not None:
+            self.zones = split_zones(self.availability_zone)
+        elif self.type == "aws":
+            self.zones = []
+        return self
 
 
 class PreemptionModel(_Strict):
@@ -171,6 +250,20 @@ class CheckpointConfig(_Strict):
     directory: str | None = None  # default: <run dir>/checkpoints
     every_s: float = pydantic.Field(60.0, gt=0)
     keep: int = pydantic.Field(3, ge=1)
+    uri: str | None = None  # s3://bucket[/prefix]: checkpoints also go to object storage
+    endpoint_url: str | None = None  # an S3-compatible endpoint other than AWS's (tests: moto)
+
+    @pydantic.field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        return None if value is None else check_s3_uri(value)
+
+    @pydantic.field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint_url(value)
+    uri: str | None = None
+    endpoint_url: str | None = None
 
 
 class DashboardConfig(_Strict):
@@ -257,9 +350,13 @@ class ClusterConfig(_Strict):
             raise ConfigError(f"--address: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         return self.model_copy(update={"ray": ray_config})
 
+    def fleet_types(self) -> dict[str, NodeType]:
+        """The node types spotswarm launches: all but ``head_node_type`` (the head runs the supervisor)."""
+        return {name: nt for name, nt in self.available_node_types.items() if name != self.head_node_type}
+
     def max_instances(self) -> int:
-        """The fleet's size when every node type runs ``max_workers``."""
-        return sum(nt.max_workers for nt in self.available_node_types.values())
+        """The fleet's size when every node type it launches runs ``max_workers``."""
+        return sum(nt.max_workers for nt in self.fleet_types().values())
 
     def worker_config(self, initial_peers: list[str], **extra: Any) -> WorkerConfig:
         t = self.training
@@ -346,9 +443,65 @@ def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
 def _node_config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     from .providers import node_config_problems
 
-    return [(("available_node_types", name, "node_config", key), message)
+    return [(("available_node_types", name, "node_config", *(key if isinstance(key, tuple) else (key,))), message)
             for name, node_type in config.available_node_types.items()
             for key, message in node_config_problems(config.provider.type, name, node_type.node_config)]
+
+
+def _market_type(node_type: NodeType) -> str | None:
+    """``node_config.InstanceMarketOptions.MarketType`` (aws), when given."""
+    options = node_type.node_config.get("InstanceMarketOptions")
+    market = options.get("MarketType") if isinstance(options, dict) else None
+    return market if isinstance(market, str) else None
+
+
+def _aws_image_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
+    """Every node type spotswarm launches needs an AMI: its own ImageId or provider.image."""
+    if config.provider.image is not None:
+        return []
+    return [(("available_node_types", name, "node_config"),
+             f"node type {name!r} has no ImageId: set node_config.ImageId or provider.image (the AMI its "
+             "instances boot)")
+            for name, nt in config.fleet_types().items()
+            if "ImageId" not in nt.node_config]
+
+
+def _aws_spot_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
+    """Spot is said one way: InstanceMarketOptions (Ray's) or spot (ours); a contradiction is an error."""
+    out: list[tuple[Loc, str]] = []
+    for name, nt in config.available_node_types.items():
+        market, at = _market_type(nt), ("available_node_types", name)
+        if market == "spot" and "spot" in nt.model_fields_set and not nt.spot:
+            out.append((at + ("spot",), "false, but node_config.InstanceMarketOptions asks for spot (MarketType "
+                                        "spot): remove one of the two (InstanceMarketOptions for on-demand, "
+                                        "spot: false for spot)"))
+        elif market is not None and market != "spot" and nt.spot:
+            out.append((at + ("node_config", "InstanceMarketOptions"),
+                        f"MarketType {market!r} is not spot, but the node type is spot (spot: true, the default): "
+                        "set spot: false"))
+        elif market == "spot" and config.spot.market == "on-demand" and name != config.head_node_type:
+            out.append((("spot", "market"), f"'on-demand' for the whole fleet, but available_node_types.{name}."
+                                            "node_config.InstanceMarketOptions asks for spot: remove one"))
+    return out
+
+
+def config_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
+    """What is allowed but worth a word, as (key path, message): aws spot said twice, a spot head."""
+    out: list[tuple[Loc, str]] = []
+    if config.provider.type != "aws":
+        return out
+    for name, nt in config.available_node_types.items():
+        if _market_type(nt) != "spot":
+            continue
+        at = ("available_node_types", name)
+        if name == config.head_node_type:
+            out.append((at + ("node_config", "InstanceMarketOptions"),
+                        "the head node type asks for spot; the head should be on-demand (spotswarm does not "
+                        "launch it: it is where the supervisor runs)"))
+        elif "spot" in nt.model_fields_set and nt.spot:
+            out.append((at + ("spot",), "true and node_config.InstanceMarketOptions say the same (spot); "
+                                        "InstanceMarketOptions wins: it is sent to EC2 as given"))
+    return out
 
 
 def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
@@ -362,6 +515,9 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     if problem is not None:
         out.append((("provider", "type"), problem))
     out.extend(_node_config_problems(config))
+    if config.provider.type == "aws":
+        out.extend(_aws_image_problems(config))
+        out.extend(_aws_spot_problems(config))
     fleet = config.max_instances()
     if config.training.averaging == "collaborative" and fleet > config.training.group_size:
         # a run larger than group_size is refused: two groups in one epoch would step to different parameters
@@ -372,13 +528,94 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     return out
 
 
+# ---- Ray cluster-launcher keys: accepted with a warning ---------------------------------------
+# Keys of Ray's cluster launcher (ray/autoscaler/ray-schema.json, and a few that Ray's AWS provider
+# and autoscaler read beyond it) that spotswarm does not use, by section, each with why.  A Ray YAML
+# loads: these are removed before validation, each with a warning; a key neither knows stays an error.
+_BOOT = "every instance runs spotswarm's boot script instead (see spotswarm bootstrap-script)"
+_SSH = "spotswarm does not SSH into instances or sync files to them"
+_SIZE = "the fleet follows each node type's min_workers and max_workers and the spot policy"
+_IGNORED = "ignored"
+RAY_LAUNCHER_KEYS: dict[str, dict[str, str]] = {
+    "": {  # top level
+        "auth": _SSH, "cluster_synced_files": _SSH, "docker": _BOOT, "file_mounts": _SSH,
+        "file_mounts_sync_continuously": _SSH, "head_setup_commands": _BOOT, "head_start_ray_commands": _BOOT,
+        "idle_timeout_minutes": _SIZE, "initialization_commands": _BOOT, "max_workers": _SIZE,
+        "metadata": _IGNORED, "no_restart": _BOOT, "rsync_exclude": _SSH, "rsync_filter": _SSH,
+        "setup_commands": _BOOT, "upscaling_speed": _SIZE, "worker_setup_commands": _BOOT,
+        "worker_start_ray_commands": _BOOT,
+    },
+    "provider": {
+        **dict.fromkeys((
+            "autoscaler_role", "autoscaler_role_binding", "autoscaler_service_account", "cloudwatch",
+            "disable_launch_config_check", "disable_node_updaters", "foreground_node_launch", "gcp_credentials",
+            "head_ip", "location", "module", "msi_identity_id", "msi_identity_principal_id", "namespace",
+            "project_id", "resource_group", "subnet_id", "subscription_id", "tags", "use_external_head_ip",
+            "use_internal_ips", "worker_ips", "worker_liveness_check"), _IGNORED),
+        "aws_credentials": "boto3 finds credentials as usual (environment, profile, instance role)",
+        "cache_stopped_nodes": "spotswarm terminates the instances it releases",
+        "key_pair": "set node_config.KeyName", "security_group": "set node_config.SecurityGroupIds",
+    },
+    "available_node_types.*": {
+        "docker": _BOOT, "idle_timeout_s": _SIZE, "initialization_commands": _BOOT, "labels": _IGNORED,
+        "priority": _SIZE, "worker_setup_commands": _BOOT,
+    },
+}
+
+
+def _without_ray_keys(section: Any, kind: str, where: Loc, model: type[pydantic.BaseModel],
+                      found: list[tuple[Loc, str]]) -> Any:
+    """A copy of ``section`` (a mapping) without Ray's launcher keys, each noted in ``found`` with its
+    reason.  Copied, not changed: a YAML alias may share one mapping between sections."""
+    if not isinstance(section, dict):
+        return section
+    known = RAY_LAUNCHER_KEYS[kind]
+    kept = {}
+    for key, value in section.items():
+        if not (isinstance(key, str) and key in known):
+            kept[key] = value
+            continue
+        hint = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.8)  # namespace(s)
+        found.append((where + (key,), f"Ray's cluster launcher key, not used by spotswarm: {known[key]}"
+                      + (f" (did you mean {hint[0]!r}?)" if hint else "")))
+    return kept
+
+
+def strip_ray_launcher_keys(data: dict) -> tuple[dict, list[tuple[Loc, str]]]:
+    """``data`` without the keys of Ray's cluster launcher that spotswarm does not use, and where
+    each was, with a warning message."""
+    found: list[tuple[Loc, str]] = []
+    data = _without_ray_keys(data, "", (), ClusterConfig, found)
+    if "provider" in data:
+        data["provider"] = _without_ray_keys(data["provider"], "provider", ("provider",), ProviderConfig, found)
+    types = data.get("available_node_types")
+    if isinstance(types, dict):
+        data["available_node_types"] = {
+            name: _without_ray_keys(nt, "available_node_types.*", ("available_node_types", name), NodeType, found)
+            for name, nt in types.items()}
+    return data, found
+
+
 def _raw_provider_type(data: dict) -> Any:
     provider = data.get("provider", {})
     return provider.get("type", "local") if isinstance(provider, dict) else None
 
 
-def load_cluster_config(path: str | Path) -> ClusterConfig:
-    """Read, validate and check a cluster YAML; every problem, with its line, in one ConfigError."""
+def _warn(messages: list[str], warnings: list[str] | None) -> None:
+    """Hand warnings to the caller's list, or to the log when the caller gave none."""
+    if warnings is not None:
+        warnings.extend(messages)
+    else:
+        for message in messages:
+            logger.warning(message)
+
+
+def load_cluster_config(path: str | Path, warnings: list[str] | None = None) -> ClusterConfig:
+    """Read, validate and check a cluster YAML; every problem, with its line, in one ConfigError.
+
+    Warnings (a Ray launcher key spotswarm does not use, spot said twice) are ``file:line: key:
+    message`` strings too: appended to ``warnings`` when given, else logged; given even when the
+    file also has errors."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -397,6 +634,9 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         raise ConfigError(f"{path}:1: a cluster config must be a mapping of sections")
     lines = _line_map(node) if node is not None else {}
     source = str(path)
+    data, ray_keys = strip_ray_launcher_keys(data)
+    _warn([_at(loc, message, lines, source) for loc, message in
+           sorted(ray_keys, key=lambda item: lines.get(item[0], 0))], warnings)
     try:
         config = ClusterConfig.model_validate(data)
     except pydantic.ValidationError as e:
@@ -413,6 +653,7 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         raise ConfigError("\n".join(problems)) from None
     except RecursionError:  # a YAML alias that contains itself
         raise ConfigError(f"{path}: a value refers to itself (a recursive YAML alias)") from None
+    _warn([_at(loc, message, lines, source) for loc, message in config_warnings(config)], warnings)
     problems = [_at(loc, message, lines, source) for loc, message in config_problems(config)]
     if problems:
         raise ConfigError("\n".join(problems))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,17 @@ from typing import Any, Protocol
 import tenacity
 
 from .config import ClusterConfig
-from .providers.base import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG, Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from .providers.base import (
+    INSTANCE_TAG,
+    NODE_TYPE_TAG,
+    RUN_TAG,
+    CapacityError,
+    Instance,
+    LaunchSpec,
+    NodeProvider,
+    PreemptionNotice,
+    ProviderAuthError,
+)
 from .run_store import InstanceRecord, RunStore, summarize_costs
 
 logger = logging.getLogger(__name__)
@@ -43,6 +54,9 @@ class WorkerControl(Protocol):
 
     def running(self, instance: Instance) -> dict | None:
         """The running worker's ``peer_id`` and ``address``, or None (adoption after a restart)."""
+
+    # optional: ``poll_notices(instance_ids) -> list[PreemptionNotice]``, the notices the instances' own
+    # watchers saw (wall-clock times, source "instance"); never blocks
 
 
 @dataclass
@@ -84,28 +98,42 @@ class FleetPolicy:
         self.left: set[str] = set()
         self.preemptions: deque[tuple[float, str]] = deque()
         self.budget_exhausted = False
+        self.fatal: str | None = None  # a problem only a person can fix (credentials): the run stops
         self.status_text = "starting"
         self.fleet_log: list[str] = []  # one line per instance lost, for the operator's console
         self._boot_failures = 0
+        self._launch_failures = 0
         self._launch_not_before = float("-inf")
+        self._no_capacity: dict[tuple[str, str, str], float] = {}  # (node type, zone, market) -> until
         self._held_notices: list[PreemptionNotice] = []  # for instances whose launch is not collected yet
         self._calls = ThreadPoolExecutor(max_calls, thread_name_prefix="provider")
         self._polls = ThreadPoolExecutor(1, thread_name_prefix="provider-poll")  # never queued behind a launch
         self._poll: Future | None = None
+        self._next_poll = float("-inf")
         self._background: list[_Background] = []
         self._next_index = self._first_free_index()
 
     # ---- restart: adopt what the previous supervisor left running --------------------------------
-    def adopt(self, lost_at: float | None = None, timeout: float = 120.0) -> list[str]:
+    def adopt(self, lost_at: float | None = None, timeout: float = 120.0, head_changed: bool = False) -> list[str]:
         """Take over the run's live instances (found by tag) instead of launching duplicates;
         close in the store what no longer exists (its cost ends at ``lost_at``, the last moment the
-        store heard from the run), and release instances the store never knew."""
+        store heard from the run), and release instances the store never knew.  ``head_changed``:
+        the run's Ray head is a new one, so machines that joined the old head can never run a
+        worker for this supervisor; they are released too."""
         listed = self._calls.submit(self.provider.list, {RUN_TAG: self.config.cluster_name}).result(timeout)
         known = {r.id: r for r in self.store.instances()}
         now = self.clock()
         adopted = []
         for inst in listed:
             record = known.get(inst.id)
+            if head_changed and not inst.hosts_worker:
+                logger.warning("instance %s joined the run's previous Ray head; releasing it", inst.id)
+                if record is not None and record.ended_at is None:
+                    self.store.update_instance(inst.id, ended_at=now, end_reason="orphaned")
+                    self.store.event("orphaned", inst.id)
+                    known.pop(inst.id)
+                self._submit("release", inst, self.provider.terminate, inst)
+                continue
             if record is None or record.ended_at is not None:
                 logger.warning("instance %s has this run's tag but no open record; releasing it", inst.id)
                 self._submit("release", inst, self._release, inst)
@@ -143,15 +171,17 @@ class FleetPolicy:
         now = self.clock()
         self._collect_background()
         self._collect_polls(now)
+        self._collect_instance_notices(now)
         self._record_leaves()
         self._enforce_budget(now)
-        if not self.budget_exhausted:
+        if not self.budget_exhausted and self.fatal is None:
             self._reconcile(now)
             self._launch_due(now)
         self._start_poll(now)
 
     def _start_poll(self, now: float) -> None:
-        if self._poll is None:
+        if self._poll is None and time.monotonic() >= self._next_poll:
+            self._next_poll = time.monotonic() + self.provider.poll_interval_s
             self._poll = self._polls.submit(lambda: (self.provider.poll_notices(now),
                                                      self.provider.poll_terminated(now)))
 
@@ -164,6 +194,29 @@ class FleetPolicy:
         except Exception as e:
             logger.warning("polling the provider failed: %s", e)
             return
+        self._take_notices(now, notices)
+        for instance_id in terminated:
+            preempted = instance_id in self.noticed or self.provider.was_preempted(instance_id)
+            reason = "preempted" if preempted else "died"
+            if instance_id in self.live:
+                logger.info("instance %s %s; a replacement follows", instance_id, reason)
+            self._ended(instance_id, reason)
+
+    def _collect_instance_notices(self, now: float) -> None:
+        """Notices the machines saw themselves (a cloud's metadata service), reported by their workers."""
+        poll = getattr(self.workers, "poll_notices", None)
+        if poll is None:
+            return
+        waiting = [i for i in self.live if i not in self.noticed]
+        if not waiting:
+            return
+        offset = now - time.time()  # their times are the wall clock's
+        notices = [PreemptionNotice(n.instance_id, n.notice_at + offset, n.terminate_at + offset, n.source)
+                   for n in poll(waiting)]
+        if notices:
+            self._take_notices(now, notices)
+
+    def _take_notices(self, now: float, notices: list[PreemptionNotice]) -> None:
         launching = {b.instance_id for b in self._background if b.kind == "launch"}
         notices, self._held_notices = self._held_notices + notices, []
         for notice in notices:
@@ -175,15 +228,11 @@ class FleetPolicy:
                 continue
             self.noticed.add(inst.id)
             self.store.update_instance(inst.id, notice_at=notice.notice_at)
-            self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at})
+            self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at, "source": notice.source})
             logger.info("preemption notice for %s: terminated in %.0f s", inst.id, notice.terminate_at - now)
-            # the worker gets most of the notice; the rest is margin for the message and the kill
-            self.workers.notify(inst, max(self.to_real(notice.terminate_at - now) * 0.8, 0.5))
-        for instance_id in terminated:
-            reason = "preempted" if instance_id in self.noticed else "died"
-            if instance_id in self.live:
-                logger.info("instance %s %s; a replacement follows", instance_id, reason)
-            self._ended(instance_id, reason)
+            if notice.source == "provider":  # a machine that saw it itself is leaving already
+                # the worker gets most of the notice; the rest is margin for the message and the kill
+                self.workers.notify(inst, max(self.to_real(notice.terminate_at - now) * 0.8, 0.5))
 
     def _record_leaves(self) -> None:
         waiting = [i for i in self.noticed if i in self.live and i not in self.left]
@@ -228,6 +277,7 @@ class FleetPolicy:
             elif b.kind == "place" and result:
                 self.store.update_instance(b.instance_id, peer_id=result)
                 self._boot_failures = 0
+                self._launch_failures = 0
                 if b.instance_id in self.live:
                     self.live[b.instance_id].tags["peer_id"] = result
 
@@ -235,8 +285,9 @@ class FleetPolicy:
         if b.kind == "launch":
             spec: LaunchSpec = b.detail
             self.store.event("launch_failed", detail={"node_type": spec.node_type, "zone": spec.zone,
-                                                      "error": str(error)})
-            logger.warning("launching %s in %s failed: %s", spec.node_type, spec.zone, error)
+                                                      "market": spec.market, "error": str(error)})
+            logger.warning("launching %s in %s (%s) failed: %s", spec.node_type, spec.zone, spec.market, error)
+            self._launch_failed(spec, error)
         elif b.kind == "place":
             logger.warning("the worker of %s did not start: %s; releasing the instance", b.instance_id, error)
             inst = self.live.get(b.instance_id)
@@ -245,6 +296,34 @@ class FleetPolicy:
                 self._submit("release", inst, self.provider.terminate, inst)
         else:
             logger.warning("releasing %s failed: %s", b.instance_id, error)
+
+    #: clock seconds a zone without capacity is left alone before it is tried again
+    no_capacity_s: float = 300.0
+
+    def _launch_failed(self, spec: LaunchSpec, error: Exception) -> None:
+        """No capacity: that zone and market rest for a while (the next launch picks another zone,
+        then on-demand).  Refused credentials: the run stops, nothing else will work.  Anything
+        else: back off exponentially rather than hammer the API every tick."""
+        now = self.clock()
+        if isinstance(error, ProviderAuthError):
+            self.fatal = str(error)
+            self.status_text = f"stopped: {error}"
+            self.store.event("fatal", detail={"error": str(error)})
+            logger.error("the cloud refused the run's credentials; stopping: %s", error)
+            return
+        if isinstance(error, CapacityError):
+            self._no_capacity[(spec.node_type, error.zone, error.market)] = now + self.no_capacity_s
+            self.store.event("no_capacity", detail={"node_type": spec.node_type, "zone": error.zone,
+                                                    "market": error.market, "error": str(error)})
+            return
+        self._launch_failures += 1
+        wait = min(self.boot_backoff_s * 2 ** (self._launch_failures - 1), 3600.0)
+        self._launch_not_before = max(self._launch_not_before, now + wait)
+        self.status_text = f"{self._launch_failures} launches in a row failed; next launch in {wait:.0f} s"
+
+    def _has_capacity(self, node_type: str, zone: str, market: str, now: float) -> bool:
+        until = self._no_capacity.get((node_type, zone, market))
+        return until is None or now >= until
 
     # ---- fleet -----------------------------------------------------------------------------------
     def _reconcile(self, now: float) -> None:
@@ -258,6 +337,9 @@ class FleetPolicy:
             have += sum(1 for s in launching if s.node_type == name)
             while have < node_type.max_workers:
                 zone, market = self.choose_zone(name, now)
+                if not self._has_capacity(name, zone, market, now):
+                    self.status_text = f"no capacity for {name} in any zone; trying again shortly"
+                    break
                 price = self.provider.price(name, zone, market)
                 if not self._affordable(price, now):
                     if have < node_type.min_workers:
@@ -275,13 +357,17 @@ class FleetPolicy:
             self.preemptions.popleft()
         window = [z for _, z in self.preemptions]
         market = "spot" if spot.market == "spot" and self.config.available_node_types[node_type].spot else "on-demand"
-        zones = self.config.provider.zones
+        every_zone = self.provider.zones or self.config.provider.zones
+        zones = [z for z in every_zone if self._has_capacity(node_type, z, market, now)]
         if market == "spot" and spot.fallback_to_on_demand_after and len(window) >= spot.fallback_to_on_demand_after:
             market = "on-demand"
         if market == "spot" and spot.max_price_per_hour is not None:
             zones = [z for z in zones if self.provider.price(node_type, z, "spot") <= spot.max_price_per_hour]
-            if not zones:
-                market, zones = "on-demand", self.config.provider.zones
+        if market == "spot" and not zones:  # no spot anywhere (price cap, capacity): on-demand
+            market = "on-demand"
+            zones = [z for z in every_zone if self._has_capacity(node_type, z, market, now)]
+        if not zones:  # no capacity at all: the least recently refused zone is tried again first
+            zones = sorted(every_zone, key=lambda z: self._no_capacity.get((node_type, z, market), 0.0))[:1]
 
         def score(zone: str) -> float:  # cheaper, and fewer recent preemptions, is better
             return self.provider.price(node_type, zone, market) * (1 + 0.5 * window.count(zone))
@@ -362,12 +448,13 @@ class FleetPolicy:
             self._submit("launch", spec, self._launch_with_retries, spec, detail=spec)
 
     @tenacity.retry(stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential(multiplier=0.5, max=5),
-                    reraise=True)
+                    retry=tenacity.retry_if_not_exception_type((CapacityError, ProviderAuthError)), reraise=True)
     def _launch_with_retries(self, spec: LaunchSpec) -> Instance:
         return self.provider.launch(spec)
 
     def _launched(self, inst: Instance, place: bool = True) -> None:
         self.live[inst.id] = inst
+        self._launch_failures = 0
         od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
         self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
                                            od, inst.launched_at, peer_id=inst.tags.get("peer_id")))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import ray
 
-from .providers.base import Instance, instance_resource
+from .providers.base import Instance, PreemptionNotice, instance_resource
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,14 @@ class WorkerActor:
         self.peer: Any = None
         self.thread: threading.Thread | None = None
         self.left = threading.Event()
+        self.watcher: Any = None
+        self.instance_notice: dict | None = None  # what the machine's own watcher saw: seen_at, deadline_s
+        self.rebalance_at: float | None = None
 
-    def start(self, worker_args: dict) -> dict:
+    def start(self, worker_args: dict, watch: dict | None = None) -> dict:
+        """Start training; ``watch`` ({"interval_s": ...}) also watches this machine's metadata for
+        its preemption notice (cloud instances), so the worker leaves in time even when nobody
+        else could tell it."""
         from workers.peer import TrainingPeer, WorkerConfig  # imported here: only instances need torch
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -50,6 +57,11 @@ class WorkerActor:
         self.peer = TrainingPeer(WorkerConfig(**args))
         self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
         self.thread.start()
+        if watch is not None:
+            from .notices import NoticeWatcher
+
+            self.watcher = NoticeWatcher(self._on_instance_notice, interval_s=float(watch.get("interval_s", 2.0)))
+            self.watcher.start()
         return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -64,9 +76,21 @@ class WorkerActor:
                 self.left.set()
         threading.Thread(target=leave, name="leaving", daemon=True).start()
 
+    def _on_instance_notice(self, notice: Any) -> None:
+        if notice.kind == "rebalance":
+            self.rebalance_at = notice.seen_at
+            logging.getLogger(__name__).info("rebalance recommendation: this machine is at elevated risk")
+            return
+        self.instance_notice = {"seen_at": notice.seen_at, "deadline_s": notice.deadline_s, "kind": notice.kind}
+        logging.getLogger(__name__).info("interruption notice (%s in %.0f s): leaving gracefully",
+                                         notice.kind, notice.deadline_s)
+        # as for a notice the supervisor forwards: most of it for training, the rest is margin for the kill
+        self.notice(max(notice.deadline_s * 0.8, 0.5))
+
     def status(self) -> dict:
         peer = self.peer
         return {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(),
+                "notice": self.instance_notice, "rebalance_at": self.rebalance_at,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "peer_id": str(peer.dht.peer_id) if peer else None, "address": peer.address if peer else None}
 
@@ -76,6 +100,8 @@ class WorkerActor:
 
     def stop(self) -> None:
         """Graceful stop without a notice period (a release, not a preemption)."""
+        if self.watcher is not None:
+            self.watcher.stop()
         if self.peer is not None and not self.left.is_set():
             self.peer.prepare_to_leave(deadline=10.0)
             self.left.set()
@@ -91,9 +117,13 @@ def spawn_worker(instance_id: str, resources: dict[str, float], detached: bool) 
 class RayWorkers:
     """The policy's ``WorkerControl`` over Ray actors."""
 
-    def __init__(self, boot_timeout: float = 600.0) -> None:
+    def __init__(self, boot_timeout: float = 600.0, watch: dict | None = None, check_every_s: float = 1.0) -> None:
         self.boot_timeout = boot_timeout  # a cloud machine may take minutes to boot and join
+        self.watch = watch  # instances watch their own metadata for notices (clouds)
+        self.check_every_s = check_every_s
         self._left_checks: dict[str, Any] = {}
+        self._notice_checks: dict[str, Any] = {}
+        self._next_check: dict[str, float] = {}
 
     def _actor(self, instance: Instance) -> Any:
         return ray.get_actor(worker_actor_name(instance.id))
@@ -102,7 +132,7 @@ class RayWorkers:
         """Start the worker on the instance's own node; blocks until the node joined and it runs."""
         actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True)
         try:
-            info = ray.get(actor.start.remote(worker_args), timeout=self.boot_timeout)
+            info = ray.get(actor.start.remote(worker_args, self.watch), timeout=self.boot_timeout)
         except BaseException:
             ray.kill(actor)  # a detached actor outlives us: never leave one waiting for a node that is gone
             raise
@@ -115,28 +145,50 @@ class RayWorkers:
         except ValueError:  # no such actor: the worker never started or is gone already
             logger.info("no worker on %s to notify", instance.id)
 
-    def poll_left(self, instance_ids: list[str]) -> list[str]:
+    @staticmethod
+    def _statuses(checks: dict[str, Any], instance_ids: list[str]) -> dict[str, dict]:
+        """Start a status call for each instance without one in flight; return the answers that
+        arrived (never waits: the policy's tick calls this)."""
         for instance_id in instance_ids:
-            if instance_id not in self._left_checks:
+            if instance_id not in checks:
                 try:
                     actor = ray.get_actor(worker_actor_name(instance_id))
                 except ValueError:
                     continue
-                self._left_checks[instance_id] = actor.status.remote()
-        if not self._left_checks:
-            return []
-        refs = {ref: i for i, ref in self._left_checks.items()}
+                checks[instance_id] = actor.status.remote()
+        if not checks:
+            return {}
+        refs = {ref: i for i, ref in checks.items()}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        left = []
+        answers = {}
         for ref in ready:
             instance_id = refs[ref]
-            del self._left_checks[instance_id]
+            del checks[instance_id]
             try:
-                if ray.get(ref)["left"]:
-                    left.append(instance_id)
-            except Exception:  # killed meanwhile: it never reported leaving
+                answers[instance_id] = ray.get(ref)
+            except Exception:  # killed meanwhile
                 continue
-        return left
+        return answers
+
+    def poll_left(self, instance_ids: list[str]) -> list[str]:
+        return [i for i, status in self._statuses(self._left_checks, instance_ids).items() if status["left"]]
+
+    def poll_notices(self, instance_ids: list[str]) -> list[PreemptionNotice]:
+        """Notices the instances' own watchers saw (times on the wall clock), each instance asked
+        at most every ``check_every_s``."""
+        if self.watch is None:
+            return []
+        now = time.monotonic()
+        due = [i for i in instance_ids if self._next_check.get(i, 0.0) <= now]
+        for instance_id in due:
+            self._next_check[instance_id] = now + self.check_every_s
+        notices = []
+        for instance_id, status in self._statuses(self._notice_checks, due).items():
+            seen = status.get("notice")
+            if seen:
+                notices.append(PreemptionNotice(instance_id, seen["seen_at"], seen["seen_at"] + seen["deadline_s"],
+                                                source="instance"))
+        return notices
 
     def stop(self, instance: Instance) -> None:
         try:

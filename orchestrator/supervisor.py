@@ -10,6 +10,7 @@ it also serves the newest checkpoint as a state donor, so new workers continue f
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -27,12 +28,15 @@ from workers.state import StateSharer, StateUnavailable
 
 from .bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from .config import ClusterConfig
+from .durable import BackgroundArchiver, RunArchive
 from .policy import FleetPolicy
 from .providers import Instance, LaunchSpec, make_provider
 from .ray_workers import RayWorkers, announce_host
 from .run_store import RunStore, summarize_costs
 
 logger = logging.getLogger(__name__)
+
+ARCHIVE_FLUSH_S = 30.0  # how long stop()/detach() wait for the last upload of the history
 
 
 class SimClock:
@@ -64,6 +68,8 @@ class SupervisorCore:
         scale = config.provider.time_scale if config.provider.type == "local" else 1.0
         self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
         self.store.clock = self.clock
+        archive = RunArchive.for_config(config)  # checkpoint.uri: the run outlives its head machine
+        self.archiver = BackgroundArchiver(archive, self.store.dir) if archive else None
         identity = Identity.from_file(self.store.dir / "head.key")
         self.dht = self._start_dht(identity)
         signer = SignatureValidator(identity)
@@ -73,7 +79,7 @@ class SupervisorCore:
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
                                                              self._serve_checkpoint))
         self.policy = FleetPolicy(config, make_provider(config, self.clock, run_dir), self.clock, self.store,
-                                  RayWorkers(), self._worker_args, boot_script=self._boot_script,
+                                  self._worker_control(), self._worker_args, boot_script=self._boot_script,
                                   to_real=self.clock.to_real)
         self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
         self.epoch = self.store.latest_epoch()
@@ -84,14 +90,26 @@ class SupervisorCore:
         self._thread: threading.Thread | None = None
         self._load_checkpoint()
         self.dashboard: Any = None
-        adopted = self.policy.adopt(lost_at=last)
+        adopted = self.policy.adopt(lost_at=last, head_changed=self._head_changed())
         if adopted:
             logger.info("adopted %d live instances of this run: %s", len(adopted), ", ".join(adopted))
             self._rejoin([self.policy.live[i] for i in adopted])
         # the clock goes into the store so that readers in other processes can tell the run's "now"
         self.store.event("supervisor_start", detail={"resumed_epoch": self.epoch, "adopted": adopted,
-                                                     "ray_node": _ray_node(), "clock": {
+                                                     "ray_node": _ray_node(), "gcs_address": _gcs_address(),
+                                                     "clock": {
             "scale": self.clock.scale, "wall0": self.clock.wall0, "origin": self.clock.origin}})
+
+    def _worker_control(self) -> RayWorkers:
+        """Cloud machines watch their own metadata for notices; the local simulator tells its workers."""
+        return RayWorkers(watch={"interval_s": 2.0} if self.config.provider.type != "local" else None)
+
+    def _head_changed(self) -> bool:
+        """Whether the run's previous supervisor ran on another Ray cluster (the old head is gone, and
+        machines that joined it will never run a worker for this one)."""
+        starts = self.store.events("supervisor_start")
+        previous = json.loads(starts[-1][3] or "{}").get("gcs_address") if starts else None
+        return previous is not None and previous != _gcs_address()
 
     def _start_dht(self, identity: Identity) -> DHT:
         """The run's bootstrap peer, on the port it had before when it can: a restarted supervisor
@@ -141,11 +159,12 @@ class SupervisorCore:
         if self.config.provider.type == "local" and self.config.provider.mode == "actors":
             return None
         token = ray_auth_token()
-        if token and self.config.provider.type == "local":
+        local = self.config.provider.type == "local"
+        if token and local:
             token = "$RAY_AUTH_TOKEN"  # the simulator hands the secret over in the environment, not in a file
-        return render_boot_script(self.config, spec.node_type, ray.get_runtime_context().gcs_address,
-                                  spec.instance_id, auth_token=token,
-                                  ray_command=str(Path(sys.executable).with_name("ray")),
+        return render_boot_script(self.config, spec.node_type, _gcs_address(), spec.instance_id, auth_token=token,
+                                  # a cloud image has spotswarm's ray on its PATH; here it is ours
+                                  ray_command=str(Path(sys.executable).with_name("ray")) if local else "ray",
                                   node_ip=NODE_IP_SHELL if self.config.provider.namespaces else None)
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -194,6 +213,7 @@ class SupervisorCore:
         self.policy.release_all()
         self.policy.shutdown()
         self.store.event("supervisor_stop")
+        self._flush_archive()
         self.dht.shutdown()
         self.store.close()
 
@@ -202,8 +222,17 @@ class SupervisorCore:
         self._halt()
         self.policy.shutdown()
         self.store.event("supervisor_detach")
+        self._flush_archive()
         self.dht.shutdown()
         self.store.close()
+
+    def _flush_archive(self) -> None:
+        """The history's last upload, waited for (bounded): what the next head restores from."""
+        if self.archiver is None:
+            return
+        if self.archiver.flush(ARCHIVE_FLUSH_S):
+            logger.info("run archived to %s", self.archiver.archive.uri)
+        self.archiver.close()
 
     # ---- one tick ------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -252,6 +281,8 @@ class SupervisorCore:
             epoch, state = self.dht.run_coroutine(lambda n: self.state.download(min_epoch=have + 1))
         except StateUnavailable as e:
             logger.info("no newer state to checkpoint: %s", e)
+            if self.archiver is not None:
+                self.archiver.retry()  # what an earlier upload left owed
             return
         directory = Path(self.config.checkpoint.directory or self.store.dir / "checkpoints")
         directory.mkdir(parents=True, exist_ok=True)
@@ -264,6 +295,8 @@ class SupervisorCore:
         self.store.event("checkpoint", detail={"epoch": epoch, "path": str(path)})
         for old in sorted(directory.glob("epoch-*.pt"))[: -self.config.checkpoint.keep]:
             old.unlink(missing_ok=True)
+        if self.archiver is not None:
+            self.archiver.submit(path)  # on the upload thread: the tick never waits on S3
 
     def _load_checkpoint(self) -> None:
         latest = self.store.latest_checkpoint()
@@ -299,9 +332,13 @@ class SupervisorCore:
             "loss": rows[-1][2] if rows else None, "samples_per_second": rows[-1][3] if rows else None,
             "peers": rows[-1][4] if rows else 0, "dollars": costs.dollars, "on_demand_dollars": costs.on_demand_dollars,
             "preemptions": costs.preemptions, "samples": costs.samples, "address": self.address,
-            "budget_exhausted": policy.budget_exhausted,
+            "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
             "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
         }
+
+
+def _gcs_address() -> str:
+    return ray.get_runtime_context().gcs_address
 
 
 def _ray_node() -> dict:

@@ -2,6 +2,7 @@
 ``aws`` and ``gcp`` (later) talk to the clouds. One file per provider."""
 
 import difflib
+import importlib.util
 from pathlib import Path
 
 from .base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
@@ -9,29 +10,45 @@ from .base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
 __all__ = ["Instance", "LaunchSpec", "NodeProvider", "PreemptionNotice", "make_provider"]
 
 
-RUNNABLE_PROVIDERS = ("local",)
+RUNNABLE_PROVIDERS = ("local", "aws")
 _LOCAL_NODE_CONFIG_KEYS = ("InstanceType",)
+
+
+def _boto3_installed() -> bool:
+    """Whether boto3 can be imported, without importing it (``validate`` stays fast)."""
+    return importlib.util.find_spec("boto3") is not None
 
 
 def provider_problem(provider_type: str) -> str | None:
     """Why this build cannot run ``provider_type``, or None when it can.  Asked when a config is
     loaded, so that an unrunnable provider fails before Ray starts or a run directory exists."""
+    if provider_type == "aws":
+        return None if _boto3_installed() else (
+            "provider.type 'aws' needs boto3, which is not installed: pip install 'spotswarm[aws]'")
     if provider_type in RUNNABLE_PROVIDERS:
         return None
-    runnable = ", ".join(repr(p) for p in RUNNABLE_PROVIDERS)
-    if provider_type in ("aws", "gcp"):
-        return (f"provider.type {provider_type!r} is not available in this build yet (only {runnable} is); "
+    runnable = " and ".join(repr(p) for p in RUNNABLE_PROVIDERS)
+    if provider_type == "gcp":
+        return (f"provider.type {provider_type!r} is not available in this build yet (only {runnable} are); "
                 "the file validates, but nothing in this build can launch its instances")
     return f"provider.type {provider_type!r} is not a provider (this build runs {runnable})"
 
 
-def node_config_problems(provider_type: str, node_type: str, node_config: dict) -> list[tuple[str, str]]:
+def node_config_problems(provider_type: str, node_type: str, node_config: dict
+                         ) -> list[tuple[str | tuple[str | int, ...], str]]:
     """The provider's own checks of ``available_node_types.<node_type>.node_config``, as (key,
-    message).  The cloud providers pass ``node_config`` to their APIs, which judge it; the local one
-    reads only a label."""
+    message); the key is a top-level ``node_config`` key, or a path of keys into it for a nested
+    problem.  aws checks it against EC2's RunInstances model (botocore's), so a bad key fails at
+    load, not at the first launch; gcp passes it to its API; the local provider reads only a label."""
+    if provider_type == "aws":
+        if importlib.util.find_spec("botocore") is None:
+            return []  # provider_problem says what to install
+        from .aws_config import aws_node_config_problems
+
+        return list(aws_node_config_problems(node_config))
     if provider_type != "local":
         return []
-    problems = []
+    problems: list[tuple[str | tuple[str | int, ...], str]] = []
     for key, value in node_config.items():
         if key not in _LOCAL_NODE_CONFIG_KEYS:
             folded = {k.casefold(): k for k in _LOCAL_NODE_CONFIG_KEYS}  # instance_type -> InstanceType too
@@ -50,6 +67,10 @@ def make_provider(config, clock, run_dir: Path) -> NodeProvider:
     problem = provider_problem(kind)
     if problem is not None:
         raise ValueError(problem)
+    if kind == "aws":
+        from .aws import AwsProvider
+
+        return AwsProvider(config, clock)
     if config.provider.mode == "nodes":
         from .local_nodes import LocalNodeProvider
 

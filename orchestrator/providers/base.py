@@ -58,6 +58,28 @@ class PreemptionNotice:
     instance_id: str
     notice_at: float
     terminate_at: float
+    # "provider": the supervisor learnt it from the cloud and forwards it to the worker; "instance": the
+    # machine's own watcher saw it (EC2's IMDS, GCE's metadata server) and its worker is leaving already
+    source: str = "provider"
+
+
+class ProviderError(RuntimeError):
+    """A cloud call failed; the message names the call and the cloud's error code."""
+
+
+class CapacityError(ProviderError):
+    """The cloud has no capacity for this node type in this zone and market right now (try another
+    zone, then on-demand)."""
+
+    def __init__(self, message: str, zone: str, market: str) -> None:
+        super().__init__(message)
+        self.zone = zone
+        self.market = market
+
+
+class ProviderAuthError(ProviderError):
+    """The cloud refused the credentials or their permissions: nothing will work until a person
+    fixes them, so the run stops with this message instead of retrying."""
 
 
 class NodeProvider(abc.ABC):
@@ -65,6 +87,12 @@ class NodeProvider(abc.ABC):
 
     #: seconds between asking for an instance and the cloud starting to bill it
     provisioning_delay: float = 0.0
+
+    #: zones to launch in when the provider knows them better than the config (a cloud's subnets)
+    zones: list[str] | None = None
+
+    #: real seconds between polls (``poll_notices``/``poll_terminated``): a cloud's API is rate limited
+    poll_interval_s: float = 0.0
 
     @abc.abstractmethod
     def launch(self, spec: LaunchSpec) -> Instance:
@@ -89,6 +117,11 @@ class NodeProvider(abc.ABC):
     @abc.abstractmethod
     def poll_terminated(self, now: float) -> list[str]:
         """Ids of instances the cloud took away (or that died) since the last poll."""
+
+    def was_preempted(self, instance_id: str) -> bool:
+        """Whether the cloud says it took this terminated instance back (answers at once, from the
+        last poll); an instance noticed before its end counts as preempted either way."""
+        return False
 
     def shutdown(self) -> None:  # noqa: B027 - an optional hook; most providers hold nothing to release
         """Release provider resources (not the instances: ``terminate`` them first)."""

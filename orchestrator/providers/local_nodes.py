@@ -37,6 +37,34 @@ logger = logging.getLogger(__name__)
 _WRAPPER = 'echo $$ > "$1"; exec bash "$2"'  # the group leader records its pid, then becomes the boot script
 
 
+def boot_detached(script: str, state_dir: Path, name: str, env: dict[str, str], namespace: str | None = None) -> int:
+    """Run a boot script as a machine would: a session of its own whose parent is not us (``setsid
+    -f``), optionally in a network namespace; returns the session leader's pid.  Its output goes
+    to ``<state_dir>/<name>.log``."""
+    script_path = state_dir / f"{name}.sh"
+    script_path.write_text(script)
+    pid_file = state_dir / f"{name}.pid"
+    pid_file.unlink(missing_ok=True)
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    command = ["setsid", "-f", *prefix, "bash", "-c", _WRAPPER, "boot", str(pid_file), str(script_path)]
+    with open(state_dir / f"{name}.log", "ab") as log:
+        subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True, timeout=30, env=env)
+    return _read_pid(pid_file)
+
+
+def _read_pid(pid_file: Path, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            text = pid_file.read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        if text:
+            return int(text)
+        time.sleep(0.01)  # the detached boot process writes it within milliseconds
+    raise RuntimeError(f"the boot process did not start within {timeout:.0f} s (no {pid_file.name})")
+
+
 def _node_pids(leader: int) -> list[int]:
     """Every process of the node started by ``leader``: its session.  (Ray gives each worker a
     process group of its own, so the node's process group alone would leave the actors alive.)"""
@@ -50,11 +78,11 @@ def _node_pids(leader: int) -> list[int]:
     return pids
 
 
-def _node_alive(leader: int) -> bool:
+def node_alive(leader: int) -> bool:
     return bool(_node_pids(leader))
 
 
-def _kill_node(leader: int, sig: int) -> None:
+def kill_node(leader: int, sig: int) -> None:
     for pid in _node_pids(leader):
         try:
             os.kill(pid, sig)
@@ -84,17 +112,8 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
             raise
 
     def _boot(self, spec: LaunchSpec, namespace: str | None) -> Instance:
-        script = self.state_dir / f"{spec.instance_id}.sh"
-        script.write_text(spec.boot_script)
-        pid_file = self.state_dir / f"{spec.instance_id}.pid"
-        pid_file.unlink(missing_ok=True)
-        prefix = ["ip", "netns", "exec", namespace] if namespace else []
-        # setsid -f: a session of its own whose parent is not us, as a machine's processes would be
-        command = ["setsid", "-f", *prefix, "bash", "-c", _WRAPPER, "boot", str(pid_file), str(script)]
-        with open(self.state_dir / f"{spec.instance_id}.log", "ab") as log:
-            subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True, timeout=30,
-                           env=self._boot_env(spec.instance_id))
-        leader = self._read_pid(pid_file)
+        leader = boot_detached(spec.boot_script, self.state_dir, spec.instance_id, self._boot_env(spec.instance_id),
+                               namespace)
         now = self.clock()
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
                         self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags), handle=leader)
@@ -118,19 +137,6 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         if token:
             env["RAY_AUTH_TOKEN"] = token
         return env
-
-    @staticmethod
-    def _read_pid(pid_file: Path, timeout: float = 10.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                text = pid_file.read_text().strip()
-            except FileNotFoundError:
-                text = ""
-            if text:
-                return int(text)
-            time.sleep(0.01)  # the detached boot process writes it within milliseconds
-        raise RuntimeError(f"the boot process did not start within {timeout:.0f} s (no {pid_file.name})")
 
     def _reserve_namespace(self, instance_id: str) -> str | None:
         """A namespace no other instance holds; launches run concurrently, so it is taken under a
@@ -182,7 +188,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
             record = self._load(path.stem)
             if not record or not all(record["tags"].get(k) == v for k, v in tag_filters.items()):
                 continue
-            if not _node_alive(record["leader"]):
+            if not node_alive(record["leader"]):
                 self._forget(record["id"])
                 continue
             inst = self.instances.get(record["id"])
@@ -212,9 +218,9 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         gone = []
         for instance_id, inst in list(self.instances.items()):
             if self.due_kill(instance_id, now):
-                _kill_node(inst.handle, signal.SIGKILL)  # a real preemption: the machine just stops
+                kill_node(inst.handle, signal.SIGKILL)  # a real preemption: the machine just stops
                 logger.info("preempted %s: killed its Ray node (session %d)", instance_id, inst.handle)
-            elif _node_alive(inst.handle):
+            elif node_alive(inst.handle):
                 continue
             self._forget(instance_id)
             gone.append(instance_id)
@@ -228,7 +234,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + self.stop_timeout
-        while _node_alive(leader) and time.monotonic() < deadline:
+        while node_alive(leader) and time.monotonic() < deadline:
             time.sleep(0.1)  # waiting for processes to exit, bounded
-        _kill_node(leader, signal.SIGKILL)
+        kill_node(leader, signal.SIGKILL)
         self._forget(instance.id)

@@ -5,17 +5,11 @@ there), each instance joins it as a Ray node, and releasing the run leaves the h
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import signal
-import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytest.importorskip("ray")
@@ -34,21 +28,6 @@ dashboard: {enabled: false}
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kill_session(leader: int) -> None:
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) == leader:
-                proc.send_signal(signal.SIGKILL)
-        except (OSError, psutil.Error):
-            continue
-
-
 def rows(db: Path, sql: str) -> list:
     conn = sqlite3.connect(db)
     try:
@@ -65,46 +44,29 @@ def epoch(db: Path) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_up_joins_an_existing_cluster_and_its_run_outlives_the_command(tmp_path, wait_for):
-    temp = Path(f"/tmp/ssw-join-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    with open(tmp_path / "head.log", "wb") as log:
-        head = subprocess.Popen([str(RAY), "start", "--head", "--port", str(free_port()), "--num-cpus", "1",
-                                 "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(temp),
-                                 "--ray-client-server-port", str(free_port()), "--block"],
-                                env=env, stdout=log, stderr=log, start_new_session=True)
-    try:
-        address_file = temp / "ray_current_cluster"
-        deadline = time.monotonic() + 60
-        while not address_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)  # polling for the head to write its address, bounded
-        address = address_file.read_text().strip()
-        (tmp_path / "cluster.yaml").write_text(CONFIG)
-        db = tmp_path / "runs" / "j" / "run.sqlite"
-        cli = [sys.executable, "-m", "orchestrator.cli"]
-        with open(tmp_path / "up.out", "w") as out:
-            up = subprocess.Popen([*cli, "up", "cluster.yaml", "--address", address, "--duration", "240"],
-                                  cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: epoch(db) >= 20, 120, "the fleet to train")
-        up.kill()  # the command that started the run dies: the detached supervisor carries on
-        up.wait(timeout=30)
-        after_kill = epoch(db)
-        wait_for(lambda: epoch(db) >= after_kill + 20, 120, "training to go on without the command")
+def test_up_joins_an_existing_cluster_and_its_run_outlives_the_command(tmp_path, ray_heads, wait_for):
+    head = ray_heads("join")
+    env, address = head.env, head.address
+    (tmp_path / "cluster.yaml").write_text(CONFIG)
+    db = tmp_path / "runs" / "j" / "run.sqlite"
+    cli = [sys.executable, "-m", "orchestrator.cli"]
+    with open(tmp_path / "up.out", "w") as out:
+        up = subprocess.Popen([*cli, "up", "cluster.yaml", "--address", address, "--duration", "240"],
+                              cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_for(lambda: epoch(db) >= 20, 120, "the fleet to train")
+    up.kill()  # the command that started the run dies: the detached supervisor carries on
+    up.wait(timeout=30)
+    after_kill = epoch(db)
+    wait_for(lambda: epoch(db) >= after_kill + 20, 120, "training to go on without the command")
 
-        down = subprocess.run([*cli, "down", "runs/j"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=200)
-        assert down.returncode == 0 and "detached supervisor" in down.stdout, down.stdout + down.stderr
-        (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'supervisor_start'")
-        assert json.loads(detail)["ray_node"]["head"] is True  # pinned to the cluster's head
-        assert sorted(rows(db, "SELECT id, end_reason FROM instances")) == [("j-small-0000", "released"),
-                                                                          ("j-small-0001", "released")]
-        assert not list((tmp_path / "runs" / "j" / "nodes").glob("*.json"))  # every node stopped
-        assert head.poll() is None  # releasing the run stops its instances' nodes, not the cluster
-        output = (tmp_path / "up.out").read_text()
-        assert "worker died or was killed" not in output  # no raylet paragraphs on the console
-    finally:
-        kill_session(head.pid)
-        head.wait(timeout=30)
-        subprocess.run(["rm", "-rf", str(temp)], check=False)
+    down = subprocess.run([*cli, "down", "runs/j"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=200)
+    assert down.returncode == 0 and "detached supervisor" in down.stdout, down.stdout + down.stderr
+    (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'supervisor_start'")
+    assert json.loads(detail)["ray_node"]["head"] is True  # pinned to the cluster's head
+    assert sorted(rows(db, "SELECT id, end_reason FROM instances")) == [("j-small-0000", "released"),
+                                                                      ("j-small-0001", "released")]
+    assert not list((tmp_path / "runs" / "j" / "nodes").glob("*.json"))  # every node stopped
+    assert head.process.poll() is None  # releasing the run stops its instances' nodes, not the cluster
+    output = (tmp_path / "up.out").read_text()
+    assert "worker died or was killed" not in output  # no raylet paragraphs on the console

@@ -1,0 +1,356 @@
+"""EC2 spot instances through boto3: one ``run_instances`` per instance, tagged with the run.
+
+The node type's ``node_config`` goes to ``run_instances`` as in Ray's AWS cluster YAML; this adds
+the tags, the boot script as user data, IMDSv2 (required), the zone (``Placement`` or the zone's
+subnet from ``SubnetIds``) and the market (``InstanceMarketOptions`` for spot, none on demand).
+Spot prices come from ``describe_spot_price_history`` (cached, refreshed from the poll thread);
+on-demand prices from the config.
+
+Errors are sorted once, here: no capacity (next zone, then on-demand: the policy decides),
+throttling (retried with exponential backoff and jitter), refused credentials (the run stops),
+anything else (a launch failure the policy backs off from).  Notices come from the instances'
+own IMDS watchers, not from here; ``poll_terminated`` reconciles with ``describe_instances``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import tenacity
+
+from ..config import ClusterConfig
+from .base import (
+    INSTANCE_TAG,
+    NODE_TYPE_TAG,
+    RUN_TAG,
+    CapacityError,
+    Instance,
+    LaunchSpec,
+    NodeProvider,
+    PreemptionNotice,
+    ProviderAuthError,
+    ProviderError,
+)
+
+logger = logging.getLogger(__name__)
+
+CAPACITY_CODES = frozenset({"InsufficientInstanceCapacity", "SpotMaxPriceTooLow", "MaxSpotInstanceCountExceeded",
+                            "Unsupported", "InsufficientCapacity", "InsufficientHostCapacity",
+                            "InsufficientReservedInstanceCapacity"})
+THROTTLE_CODES = frozenset({"RequestLimitExceeded", "Throttling", "ThrottlingException", "RequestThrottled",
+                            "ServiceUnavailable", "Unavailable", "InternalError", "SlowDown"})
+AUTH_CODES = frozenset({"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "SignatureDoesNotMatch",
+                        "OptInRequired", "Blocked", "ExpiredToken", "UnrecognizedClientException", "AccessDenied",
+                        "AccessDeniedException", "InvalidAccessKeyId", "MissingAuthenticationToken"})
+GONE_STATES = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
+SPOT_TERMINATION = "Server.SpotInstanceTermination"
+DEFAULT_SPOT_OPTIONS = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
+USER_DATA_LIMIT = 16 * 1024  # EC2 refuses larger user data
+
+
+class _Throttled(Exception):
+    """A call the cloud asked us to slow down for (retried)."""
+
+
+def _error_code(error: Exception) -> str:
+    return getattr(error, "response", {}).get("Error", {}).get("Code", "") if hasattr(error, "response") else ""
+
+
+class AwsProvider(NodeProvider):
+    """The ``aws`` provider; every method that talks to EC2 may block (the policy runs them on
+    threads), ``price`` answers from the cache."""
+
+    #: seconds between describe_instances reconciliations (the notices come from the instances)
+    poll_interval_s: float = 5.0
+    #: seconds between refreshes of the spot price history
+    price_ttl_s: float = 300.0
+    #: instances with the run's tag that nobody launched or adopted are released after this long
+    orphan_grace_s: float = 120.0
+
+    def __init__(self, config: ClusterConfig, clock: Any, client: Any = None, max_attempts: int = 8) -> None:
+        self.config = config
+        self.clock = clock
+        self.ec2 = client or self._client(config)
+        self.calls: Counter[str] = Counter()  # API calls by operation (and retries), for the figures
+        self.ec2.meta.events.register("before-call.ec2.*", self._count)
+        self.max_attempts = max_attempts
+        self.instances: dict[str, Instance] = {}
+        self._preempted: set[str] = set()
+        self._lock = threading.Lock()
+        self._spot_prices: dict[tuple[str, str], float] = {}
+        self._prices_at = float("-inf")
+        self._subnets = self._zone_subnets()
+        self.zones = list(config.provider.zones) or sorted(self._subnets) or self._region_zones()
+        self.refresh_prices()
+
+    @staticmethod
+    def _client(config: ClusterConfig) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ProviderError("the aws provider needs boto3: pip install 'spotswarm[aws]'") from None
+        # botocore's own retries are off: throttling is retried here, with jitter, and counted
+        settings = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
+        return boto3.client("ec2", region_name=config.provider.region, endpoint_url=config.provider.endpoint_url,
+                            config=settings)
+
+    def _count(self, model: Any = None, **_: Any) -> None:
+        self.calls[model.name if model is not None else "?"] += 1
+
+    # ---- calling EC2 -----------------------------------------------------------------------------
+    def _call(self, operation: str, **params: Any) -> dict:
+        """One EC2 call: throttling is retried with exponential backoff and jitter; every other
+        failure becomes a ProviderError (or CapacityError, ProviderAuthError) naming the call."""
+        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception_type(_Throttled),
+                                     wait=tenacity.wait_random_exponential(multiplier=0.5, max=20),
+                                     stop=tenacity.stop_after_attempt(self.max_attempts), reraise=True)
+        try:
+            return retrying(self._call_once, operation, params)
+        except _Throttled as e:
+            raise ProviderError(f"EC2 {operation}: still throttled after {self.max_attempts} attempts: "
+                                f"{e.__cause__}") from None
+
+    def _call_once(self, operation: str, params: dict) -> dict:
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        try:
+            return getattr(self.ec2, operation)(**params)
+        except ClientError as e:
+            code = _error_code(e)
+            message = e.response.get("Error", {}).get("Message", str(e))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in AUTH_CODES:
+                raise ProviderAuthError(f"AWS refused the run's credentials or permissions for {operation} ({code}: "
+                                        f"{message}); see docs/aws.md for the IAM permissions needed") from None
+            if code in CAPACITY_CODES:  # EC2 answers some of these with a 500: sorted before the retries
+                raise CapacityError(f"EC2 {operation}: {code}: {message}", "", "") from None
+            if code in THROTTLE_CODES or status in (500, 502, 503, 504):
+                raise _Throttled() from e
+            raise ProviderError(f"EC2 {operation}: {code or status}: {message}") from None
+        except NoCredentialsError:
+            raise ProviderAuthError("no AWS credentials found (environment, ~/.aws or an instance profile); "
+                                    "see docs/aws.md") from None
+        except BotoCoreError as e:  # unreachable endpoint, timeouts: transient, retried
+            raise _Throttled() from e
+
+    # ---- zones and prices ------------------------------------------------------------------------
+    def _zone_subnets(self) -> dict[str, list[str]]:
+        """Zone -> the subnets of every node type's ``SubnetIds``/``SubnetId`` (a zone's instances go
+        to its subnet)."""
+        ids = sorted({s for nt in self.config.available_node_types.values()
+                      for s in nt.node_config.get("SubnetIds", []) + [nt.node_config.get("SubnetId")] if s})
+        if not ids:
+            return {}
+        zones: dict[str, list[str]] = {}
+        for subnet in self._call("describe_subnets", SubnetIds=ids)["Subnets"]:
+            zones.setdefault(subnet["AvailabilityZone"], []).append(subnet["SubnetId"])
+        return zones
+
+    def _region_zones(self) -> list[str]:
+        answer = self._call("describe_availability_zones",
+                            Filters=[{"Name": "state", "Values": ["available"]}])
+        return sorted(z["ZoneName"] for z in answer["AvailabilityZones"])
+
+    def _instance_type(self, node_type: str) -> str | None:
+        return self.config.available_node_types[node_type].node_config.get("InstanceType")
+
+    def refresh_prices(self) -> None:
+        """The current spot price of every node type's instance type in every zone (one call per type)."""
+        prices: dict[tuple[str, str], float] = {}
+        for name in self.config.available_node_types:
+            kind = self._instance_type(name)
+            if name == self.config.head_node_type or kind is None:
+                continue
+            history = self._call("describe_spot_price_history", InstanceTypes=[kind],
+                                 ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+                                 StartTime=time.time(), MaxResults=1000)["SpotPriceHistory"]
+            newest: dict[str, tuple[Any, float]] = {}
+            for row in history:
+                zone, when = row["AvailabilityZone"], row["Timestamp"]
+                if zone not in newest or when > newest[zone][0]:
+                    newest[zone] = (when, float(row["SpotPrice"]))
+            prices.update({(name, zone): price for zone, (_, price) in newest.items()})
+        self._spot_prices = prices
+        self._prices_at = time.monotonic()
+
+    def price(self, node_type: str, zone: str, market: str) -> float:
+        nt = self.config.available_node_types[node_type]
+        if market == "on-demand":
+            return nt.on_demand_price_per_hour
+        cached = self._spot_prices.get((node_type, zone))
+        if cached is not None:
+            return cached
+        return nt.spot_price_per_hour.get(zone, 0.3 * nt.on_demand_price_per_hour)
+
+    # ---- launching -------------------------------------------------------------------------------
+    def run_params(self, spec: LaunchSpec) -> dict[str, Any]:
+        """``run_instances``'s parameters for one instance: the node config plus what spotswarm sets."""
+        params = {k: v for k, v in spec.node_config.items() if k != "SubnetIds"}
+        params.setdefault("ImageId", self.config.provider.image)
+        if params["ImageId"] is None:
+            raise ProviderError(f"node type {spec.node_type!r}: no ImageId (node_config.ImageId or provider.image)")
+        params.update(MinCount=1, MaxCount=1)
+        params.setdefault("InstanceInitiatedShutdownBehavior", "terminate")  # a shut-down machine stops billing
+        params["MetadataOptions"] = {**params.get("MetadataOptions", {}), "HttpTokens": "required",
+                                     "HttpEndpoint": "enabled"}
+        subnets = [s for s in spec.node_config.get("SubnetIds", []) + [spec.node_config.get("SubnetId")] if s]
+        if subnets:
+            in_zone = [s for s in subnets if s in self._subnets.get(spec.zone, [])]
+            if not in_zone:
+                raise CapacityError(f"no subnet of node type {spec.node_type!r} in zone {spec.zone}",
+                                    spec.zone, spec.market)
+            params["SubnetId"] = in_zone[0]
+        else:
+            params["Placement"] = {**params.get("Placement", {}), "AvailabilityZone": spec.zone}
+        if spec.market == "spot":
+            options = dict(params.get("InstanceMarketOptions") or {"MarketType": "spot"})
+            spot_options = {**DEFAULT_SPOT_OPTIONS, **options.get("SpotOptions", {})}
+            cap = self.config.spot.max_price_per_hour
+            if cap is not None:
+                spot_options.setdefault("MaxPrice", f"{cap:.4f}")
+            params["InstanceMarketOptions"] = {**options, "MarketType": "spot", "SpotOptions": spot_options}
+        else:
+            params.pop("InstanceMarketOptions", None)
+        if spec.boot_script:
+            if len(spec.boot_script.encode()) > USER_DATA_LIMIT:
+                raise ProviderError(f"the boot script is {len(spec.boot_script.encode())} bytes; EC2 takes "
+                                    f"{USER_DATA_LIMIT} of user data")
+            params["UserData"] = spec.boot_script
+        params["TagSpecifications"] = self._tag_specifications(spec, params.get("TagSpecifications", []))
+        return params
+
+    @staticmethod
+    def _tag_specifications(spec: LaunchSpec, given: list[dict]) -> list[dict]:
+        tags = {"Name": f"spotswarm-{spec.instance_id}", **spec.tags}
+        out, found = [], False
+        for entry in given:
+            if entry.get("ResourceType") == "instance":
+                found = True
+                mine = {t["Key"]: t["Value"] for t in entry.get("Tags", [])}
+                entry = {**entry, "Tags": [{"Key": k, "Value": v} for k, v in {**mine, **tags}.items()]}
+            out.append(entry)
+        if not found:
+            out.append({"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]})
+        return out
+
+    def launch(self, spec: LaunchSpec) -> Instance:
+        params = self.run_params(spec)
+        try:
+            answer = self._call("run_instances", **params)
+        except CapacityError as e:
+            raise CapacityError(str(e), spec.zone, spec.market) from None
+        ec2_id = answer["Instances"][0]["InstanceId"]
+        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
+                        self.price(spec.node_type, spec.zone, spec.market), self.clock(), tags=dict(spec.tags),
+                        handle=ec2_id)
+        with self._lock:
+            self.instances[inst.id] = inst
+        logger.info("launched %s as %s in %s (%s)", inst.id, ec2_id, spec.zone, spec.market)
+        return inst
+
+    def terminate(self, instance: Instance) -> None:
+        try:
+            self._call("terminate_instances", InstanceIds=[instance.handle])
+        except ProviderError as e:
+            if "InvalidInstanceID.NotFound" not in str(e):
+                raise
+        with self._lock:
+            self.instances.pop(instance.id, None)
+
+    # ---- the fleet as EC2 sees it ----------------------------------------------------------------
+    def _describe(self, tag_filters: dict[str, str], states: list[str] | None = None) -> list[dict]:
+        filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in tag_filters.items()]
+        if states:
+            filters.append({"Name": "instance-state-name", "Values": states})
+        found, token = [], None
+        while True:
+            page = self._call("describe_instances", Filters=filters, **({"NextToken": token} if token else {}))
+            found += [i for r in page["Reservations"] for i in r["Instances"]]
+            token = page.get("NextToken")
+            if not token:
+                return found
+
+    def _from_ec2(self, described: dict) -> Instance | None:
+        tags = {t["Key"]: t["Value"] for t in described.get("Tags", [])}
+        instance_id, node_type = tags.get(INSTANCE_TAG), tags.get(NODE_TYPE_TAG)
+        if instance_id is None or node_type not in self.config.available_node_types:
+            return None
+        zone = described["Placement"]["AvailabilityZone"]
+        market = "spot" if described.get("InstanceLifecycle") == "spot" else "on-demand"
+        age = time.time() - described["LaunchTime"].timestamp()
+        return Instance(instance_id, node_type, zone, market, self.price(node_type, zone, market),
+                        self.clock() - max(age, 0.0), tags=tags, handle=described["InstanceId"])
+
+    def list(self, tag_filters: dict[str, str]) -> list[Instance]:
+        out = []
+        for described in self._describe(tag_filters, ["pending", "running"]):
+            inst = self._from_ec2(described)
+            if inst is None:
+                continue
+            with self._lock:
+                inst = self.instances.setdefault(inst.id, inst)
+            out.append(inst)
+        return out
+
+    def poll_notices(self, now: float) -> list[PreemptionNotice]:
+        return []  # EC2 tells the instance (IMDS); its worker reports the notice
+
+    def poll_terminated(self, now: float) -> list[str]:
+        """Instances EC2 no longer runs (preempted when its state reason says so); releases the
+        run's orphans (tagged instances nobody launched or adopted, e.g. after a lost answer)."""
+        if time.monotonic() - self._prices_at > self.price_ttl_s:
+            try:
+                self.refresh_prices()
+            except ProviderError as e:
+                logger.warning("spot prices not refreshed: %s", e)
+        described = self._describe({RUN_TAG: self.config.cluster_name})
+        with self._lock:
+            mine = {inst.handle: inst for inst in self.instances.values()}
+        seen, gone = set(), []
+        for d in described:
+            ec2_id, state = d["InstanceId"], d["State"]["Name"]
+            seen.add(ec2_id)
+            inst = mine.get(ec2_id)
+            if inst is not None and state in GONE_STATES:
+                if d.get("StateReason", {}).get("Code") == SPOT_TERMINATION:
+                    self._preempted.add(inst.id)
+                gone.append(inst.id)
+            elif inst is None and state in ("pending", "running"):
+                self._release_orphan(d)
+        gone += [inst.id for ec2_id, inst in mine.items() if ec2_id not in seen]  # gone from EC2's list altogether
+        with self._lock:
+            for instance_id in gone:
+                self.instances.pop(instance_id, None)
+        return gone
+
+    def _release_orphan(self, described: dict) -> None:
+        age = time.time() - described["LaunchTime"].timestamp()
+        if age < self.orphan_grace_s:
+            return  # probably a launch whose answer is on its way
+        logger.warning("instance %s carries this run's tag but no one launched or adopted it; terminating it",
+                       described["InstanceId"])
+        self._call("terminate_instances", InstanceIds=[described["InstanceId"]])
+
+    def was_preempted(self, instance_id: str) -> bool:
+        return instance_id in self._preempted
+
+    def shutdown(self) -> None:
+        self.ec2.close()
+
+
+def terminate_run(config: ClusterConfig, clock: Any = time.time) -> list[str]:
+    """Terminate every instance tagged with the run (``spotswarm down`` when no head is left)."""
+    provider = AwsProvider(config, clock)
+    try:
+        found = provider._describe({RUN_TAG: config.cluster_name}, ["pending", "running", "stopping", "stopped"])
+        ids = [d["InstanceId"] for d in found]
+        if ids:
+            provider._call("terminate_instances", InstanceIds=ids)
+        return ids
+    finally:
+        provider.shutdown()

@@ -1,0 +1,120 @@
+"""Losing the head of an AWS run: the head machine and every instance's node are killed at once
+(SIGKILL), and `spotswarm resume CONFIG` on a brand-new head with an empty run directory restores
+the run from S3 (moto), retires the old fleet and continues from the newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+boto3 = pytest.importorskip("boto3")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT_EVERY_S = 8.0
+
+
+def rows(db: Path, sql: str, *args) -> list:
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        return conn.execute(sql, args).fetchall()
+    except sqlite3.OperationalError:  # not created yet
+        return []
+    finally:
+        conn.close()
+
+
+def epoch(db: Path) -> int:
+    found = rows(db, "SELECT COALESCE(MAX(epoch), 0) FROM progress")
+    return found[0][0] if found else 0
+
+
+def run_config(directory: Path, endpoint: str) -> Path:
+    data = yaml.safe_load((ROOT / "cluster_configs" / "aws-spot.yaml").read_text())
+    data["provider"]["endpoint_url"] = endpoint
+    data["checkpoint"]["endpoint_url"] = endpoint
+    data["checkpoint"]["every_s"] = CHECKPOINT_EVERY_S  # minutes on a real cloud; seconds here
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "aws.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def tagged_running(endpoint: str) -> list[str]:
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=endpoint)
+    found = ec2.describe_instances(Filters=[{"Name": "tag:spotswarm-run", "Values": ["aws-demo"]},
+                                            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    return sorted(i["InstanceId"] for r in found["Reservations"] for i in r["Instances"])
+
+
+@pytest.mark.timeout(420)
+def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harness, ray_heads, wait_for):
+    boto3.client("s3", endpoint_url=aws).create_bucket(Bucket="spotswarm-runs")
+    cli = [sys.executable, "-m", "orchestrator.cli"]
+    old_dir, new_dir = tmp_path / "old-head", tmp_path / "new-head"
+    old_config, new_config = run_config(old_dir, aws), run_config(new_dir, aws)
+    old_db, new_db = old_dir / "runs" / "aws-demo" / "run.sqlite", new_dir / "runs" / "aws-demo" / "run.sqlite"
+    old_head = ray_heads("awsA")
+    up = resume = None
+    try:
+        with open(tmp_path / "up.out", "w") as out:
+            up = subprocess.Popen([*cli, "up", str(old_config), "--address", old_head.address], cwd=old_dir,
+                                  env=old_head.env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: len(rows(old_db, "SELECT 1 FROM checkpoints")) >= 2 and epoch(old_db) >= 6, 240,
+                 "the old head's run to train and checkpoint twice")
+        old_fleet = tagged_running(aws)
+        assert len(old_fleet) == 3
+
+        # the head machine and every instance's node die at once
+        up.send_signal(signal.SIGKILL)
+        old_head.kill()
+        ec2_harness.crash_all()
+        killed_at = time.time()
+        epoch_at_kill = epoch(old_db)
+        (checkpoint_epoch, checkpoint_time), = rows(
+            old_db, "SELECT epoch, time FROM checkpoints ORDER BY epoch DESC LIMIT 1")
+        assert killed_at - checkpoint_time <= CHECKPOINT_EVERY_S + 5  # at most one interval unsaved
+
+        new_head = ray_heads("awsB")
+        with open(tmp_path / "resume.out", "w") as out:
+            resume = subprocess.Popen([*cli, "resume", str(new_config), "--address", new_head.address], cwd=new_dir,
+                                      env=new_head.env, stdout=out, stderr=subprocess.STDOUT)
+        resumed_at = killed_at
+
+        def newer_checkpoints() -> list:
+            return [e for (e,) in rows(new_db, "SELECT epoch FROM checkpoints WHERE time > ?", resumed_at)]
+
+        wait_for(lambda: len(newer_checkpoints()) >= 1 and epoch(new_db) >= checkpoint_epoch + 3, 240,
+                 "the new fleet to train on and checkpoint")
+        # the new fleet started from the restored state: nothing it saved is older than that
+        assert min(newer_checkpoints()) > checkpoint_epoch
+        start = json.loads(rows(new_db, "SELECT detail FROM events WHERE kind = 'supervisor_start' "
+                                        "ORDER BY time DESC LIMIT 1")[0][0])
+        assert start["resumed_epoch"] >= checkpoint_epoch  # from the newest checkpoint in S3, not from zero
+        assert epoch_at_kill - start["resumed_epoch"] <= epoch_at_kill - checkpoint_epoch
+        retired = dict(rows(new_db, "SELECT id, end_reason FROM instances WHERE end_reason = 'orphaned'"))
+        assert len(retired) == 3  # the old fleet joined a head that is gone: released, not adopted
+        assert not set(old_fleet) & set(tagged_running(aws))
+        output = (tmp_path / "resume.out").read_text()
+        assert f"at checkpoint epoch {checkpoint_epoch}" in output
+
+        down = subprocess.run([*cli, "down", str(new_config)], cwd=new_dir, env=new_head.env, capture_output=True,
+                              text=True, timeout=240)
+        assert down.returncode == 0, down.stdout + down.stderr
+        resume.wait(timeout=120)
+        assert tagged_running(aws) == []  # every instance of the run terminated
+    finally:
+        for process in (up, resume):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)

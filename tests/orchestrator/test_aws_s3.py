@@ -1,0 +1,310 @@
+"""Durable run state in S3 (moto in server mode, real HTTP): archive, restore, resume from a YAML."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+import tenacity
+from rich.console import Console
+
+boto3 = pytest.importorskip("boto3")
+from botocore.exceptions import ClientError  # noqa: E402
+
+from orchestrator import cluster  # noqa: E402
+from orchestrator.cli import main  # noqa: E402
+from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.durable import ArchiveError, ArchiveMissing, BackgroundArchiver, RunArchive  # noqa: E402
+from orchestrator.run_store import InstanceRecord, RunStore  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+BUCKET = "spotswarm-runs"
+URI = f"s3://{BUCKET}/team/r"
+
+
+def config_data(tmp_path: Path, endpoint: str, **checkpoint) -> dict:
+    return {
+        "cluster_name": "r", "runs_dir": str(tmp_path / "runs"),
+        "provider": {"type": "local", "zones": ["a"]},
+        "available_node_types": {"small": {"min_workers": 1, "max_workers": 1}},
+        "training": {"task": "synthetic", "target_batch_size": 64},
+        "checkpoint": {"uri": URI, "endpoint_url": endpoint, "keep": 2, **checkpoint},
+    }
+
+
+def s3(endpoint: str):
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+def archived_names(endpoint: str, folder: str) -> list[str]:
+    listing = s3(endpoint).list_objects_v2(Bucket=BUCKET, Prefix=f"team/r/{folder}/")
+    return sorted(o["Key"].rsplit("/", 1)[1] for o in listing.get("Contents", []))
+
+
+def fill_store(store: RunStore, archive: RunArchive, epochs: tuple[int, ...] = (1, 2, 3)) -> dict[int, bytes]:
+    """A run with an instance, events, progress and checkpoint files, each checkpoint archived."""
+    store.launched(InstanceRecord("r-small-0000", "small", "a", "spot", 0.3, 1.0, launched_at=100.0))
+    store.update_instance("r-small-0000", notice_at=150.0, ended_at=160.0, end_reason="preempted")
+    store.event("supervisor_start", detail={"resumed_epoch": 0})
+    contents = {}
+    for epoch in epochs:
+        store.progress(epoch, 1.0 / epoch, 100.0 * epoch, 2, epoch * 64)
+        path = store.dir / "checkpoints" / f"epoch-{epoch:06d}.pt"
+        contents[epoch] = bytes([epoch]) * 1000 + f"state of epoch {epoch}".encode()
+        path.write_bytes(contents[epoch])
+        store.checkpoint(epoch, path)
+        archive.save_checkpoint(path)
+    return contents
+
+
+@pytest.fixture
+def bucket(aws: str) -> str:
+    s3(aws).create_bucket(Bucket=BUCKET)
+    return aws
+
+
+@pytest.fixture
+def config(tmp_path: Path, bucket: str) -> ClusterConfig:
+    return ClusterConfig.model_validate(config_data(tmp_path, bucket))
+
+
+def test_archive_round_trip_restores_rows_the_newest_checkpoint_and_keeps_only_keep(tmp_path, config, bucket):
+    archive = RunArchive.for_config(config)
+    store = RunStore.create(config)
+    contents = fill_store(store, archive)
+    archive.save_history(store)
+    before = {"instances": store.instances(), "events": store.events(), "progress": store.progress_rows()}
+    store.close()
+
+    assert archived_names(bucket, "checkpoints") == ["epoch-000002.pt", "epoch-000003.pt"]  # keep: 2
+    assert archived_names(bucket, "history") == ["config.yaml", "run.sqlite"]
+    fresh = tmp_path / "elsewhere" / "r"
+    assert archive.restore(fresh) == 3
+
+    restored = RunStore.open(fresh)
+    try:
+        assert restored.instances() == before["instances"]
+        assert restored.progress_rows() == before["progress"]
+        events = restored.events()
+        assert events[:-1] == before["events"]
+        assert events[-1][1] == "restored" and json.loads(events[-1][3]) == {"from": URI, "epoch": 3}
+        paths = restored.db.execute("SELECT epoch, path FROM checkpoints ORDER BY epoch").fetchall()
+        assert paths == [(e, str(fresh / "checkpoints" / f"epoch-{e:06d}.pt")) for e in (1, 2, 3)]
+        assert restored.latest_checkpoint() == (3, fresh / "checkpoints" / "epoch-000003.pt")
+        assert restored.config() == config
+    finally:
+        restored.close()
+    assert (fresh / "checkpoints" / "epoch-000003.pt").read_bytes() == contents[3]
+    assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["epoch-000003.pt"]
+    with pytest.raises(FileExistsError):
+        archive.restore(fresh)  # never over a run that is there
+
+
+def test_a_checkpoint_archived_after_the_last_history_snapshot_is_still_restored(tmp_path, config):
+    archive = RunArchive.for_config(config)
+    store = RunStore.create(config)
+    fill_store(store, archive, epochs=(1,))
+    archive.save_history(store)
+    later = store.dir / "checkpoints" / "epoch-000002.pt"
+    later.write_bytes(b"newer")
+    archive.save_checkpoint(later)  # its history upload never happened (the head vanished first)
+    store.close()
+
+    fresh = tmp_path / "elsewhere" / "r"
+    assert archive.restore(fresh) == 2
+    restored = RunStore.open(fresh)
+    try:
+        assert restored.latest_checkpoint() == (2, fresh / "checkpoints" / "epoch-000002.pt")
+    finally:
+        restored.close()
+
+
+def snapshot_rows(tmp_path: Path, endpoint: str, name: str, sql: str) -> list:
+    local = tmp_path / name
+    s3(endpoint).download_file(BUCKET, "team/r/history/run.sqlite", str(local))
+    db = sqlite3.connect(local)
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+def test_history_snapshot_is_consistent_while_another_connection_writes(tmp_path, config, bucket):
+    archive = RunArchive.for_config(config)
+    store = RunStore.create(config)
+    store.db.execute("PRAGMA wal_autocheckpoint=0")  # committed rows stay in the WAL, not in run.sqlite
+    store.event("committed")
+    writer = sqlite3.connect(store.dir / "run.sqlite", timeout=30)
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO events VALUES (1.0, 'uncommitted', NULL, NULL)")
+    archive.save_history(store)  # a reader beside an open write transaction: WAL lets it through
+    kinds = [r[0] for r in snapshot_rows(tmp_path, bucket, "a.sqlite", "SELECT kind FROM events")]
+    assert kinds == ["committed"]  # the WAL's committed rows, none of the open transaction's
+    writer.commit()
+
+    stop = threading.Event()
+
+    def write_pairs() -> None:  # every transaction adds two rows: a consistent snapshot has an even count
+        db = sqlite3.connect(store.dir / "run.sqlite", timeout=30)
+        while not stop.is_set():
+            with db:
+                db.execute("INSERT INTO progress VALUES (1.0, 1, NULL, NULL, NULL, NULL)")
+                db.execute("INSERT INTO progress VALUES (1.0, 2, NULL, NULL, NULL, NULL)")
+        db.close()
+
+    thread = threading.Thread(target=write_pairs)
+    thread.start()
+    try:
+        for i in range(5):
+            archive.save_history(store)
+            (count,), = snapshot_rows(tmp_path, bucket, f"s{i}.sqlite", "SELECT COUNT(*) FROM progress")
+            assert count % 2 == 0
+    finally:
+        stop.set()
+        thread.join()
+        writer.close()
+        store.close()
+
+
+def test_a_missing_bucket_is_a_clear_error_naming_the_uri(tmp_path, aws):
+    archive = RunArchive("s3://no-such-bucket/runs/r", endpoint_url=aws)
+    checkpoint = tmp_path / "epoch-000001.pt"
+    checkpoint.write_bytes(b"x")
+    with pytest.raises(ArchiveError, match=r"s3://no-such-bucket/runs/r: the bucket 'no-such-bucket' does not exist"):
+        archive.save_checkpoint(checkpoint)
+    with pytest.raises(ArchiveError, match="does not exist") as raised:
+        archive.restore(tmp_path / "r")
+    assert not isinstance(raised.value, ArchiveMissing)
+
+
+class Flaky:
+    """An S3 client whose first ``failures`` uploads are throttled (503 SlowDown)."""
+
+    def __init__(self, client, failures: int) -> None:
+        self.client, self.failures, self.calls = client, failures, 0
+
+    def upload_file(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ClientError({"Error": {"Code": "SlowDown", "Message": "slow down"},
+                               "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+        return self.client.upload_file(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_throttling_is_retried_and_the_retries_are_bounded(tmp_path, bucket):
+    checkpoint = tmp_path / "epoch-000001.pt"
+    checkpoint.write_bytes(b"x")
+    flaky = Flaky(s3(bucket), failures=2)
+    RunArchive(URI, client=flaky, attempts=3, wait=tenacity.wait_none()).save_checkpoint(checkpoint)
+    assert flaky.calls == 3 and archived_names(bucket, "checkpoints") == ["epoch-000001.pt"]
+
+    hopeless = Flaky(s3(bucket), failures=99)
+    with pytest.raises(ArchiveError, match=f"{URI}: S3 still failing after 3 attempts"):
+        RunArchive(URI, client=hopeless, attempts=3, wait=tenacity.wait_none()).save_checkpoint(checkpoint)
+    assert hopeless.calls == 3
+
+
+class FakeArchive:
+    """Records uploads; fails the first ``failures`` and can hold an upload until released."""
+
+    uri = URI
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.uploads: list[str] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Event()
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        if self.failures:
+            self.failures -= 1
+            raise ArchiveError(f"{URI}: S3 still failing")
+        self.uploads.append(path.name)
+
+    def save_history(self, run_dir: Path) -> None:
+        self.uploads.append("history")
+
+
+def test_uploads_run_in_the_background_and_a_failure_is_retried_at_the_next_checkpoint(tmp_path, caplog):
+    first, second = tmp_path / "epoch-000001.pt", tmp_path / "epoch-000002.pt"
+    first.write_bytes(b"1")
+    second.write_bytes(b"2")
+    archive = FakeArchive(failures=1)
+    archive.release.clear()
+    archiver = BackgroundArchiver(archive, tmp_path)  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.WARNING, logger="orchestrator.durable"):
+            archiver.submit(first)  # returns while the upload is held: the tick never waits on S3
+            assert archive.entered.wait(10) and archive.uploads == []
+            archive.release.set()
+            assert not archiver.flush(10)  # the held upload failed: still owed
+        assert archiver.failures == 1 and "retried at the next checkpoint" in caplog.text
+        archiver.submit(second)  # the next checkpoint: the newest one goes, with the history
+        assert archiver.flush(10)
+        assert archive.uploads[0] == "epoch-000002.pt" and set(archive.uploads[1:]) == {"history"}  # coalesced
+    finally:
+        archiver.close()
+
+
+def write_yaml(tmp_path: Path, endpoint: str, **checkpoint) -> Path:
+    import yaml
+
+    path = tmp_path / "cluster.yaml"
+    data = config_data(tmp_path, endpoint)
+    data["checkpoint"] = {k: v for k, v in {**data["checkpoint"], **checkpoint}.items() if v is not None}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_resume_from_a_yaml_restores_a_vanished_run_from_s3_once(tmp_path, config, bucket):
+    archive = RunArchive.for_config(config)
+    store = RunStore.create(config)
+    contents = fill_store(store, archive)
+    archive.save_history(store)
+    store.close()
+    for path in sorted(config.run_dir().rglob("*"), reverse=True):  # the head machine vanished
+        path.rmdir() if path.is_dir() else path.unlink()
+
+    out = io.StringIO()
+    yaml_path = write_yaml(tmp_path, bucket)
+    run_dir = cluster.resume_target(str(yaml_path), Console(file=out, width=200))
+    assert run_dir == config.run_dir()
+    assert f"restored run r from {URI} at checkpoint epoch 3" in out.getvalue()
+    assert (run_dir / "checkpoints" / "epoch-000003.pt").read_bytes() == contents[3]
+    assert cluster.resume_target(str(yaml_path), Console(file=out)) == run_dir  # local now: no second restore
+    assert cluster.resume_target(str(run_dir), Console(file=out)) == run_dir  # a run directory, as before
+    store = RunStore.open(run_dir)
+    try:
+        assert [json.loads(e[3]) for e in store.events("restored")] == [{"from": URI, "epoch": 3}]
+        assert store.latest_checkpoint() == (3, run_dir / "checkpoints" / "epoch-000003.pt")
+    finally:
+        store.close()
+
+
+def test_resume_misuse_exits_2_with_a_clear_message(tmp_path, bucket, capsys):
+    assert main(["resume", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no such run directory or cluster YAML" in capsys.readouterr().err
+
+    (tmp_path / "empty").mkdir()
+    assert main(["resume", str(tmp_path / "empty")]) == 2
+    assert "is not a run directory (no run.sqlite)" in capsys.readouterr().err
+
+    assert main(["resume", str(write_yaml(tmp_path, bucket, uri=None, endpoint_url=None))]) == 2
+    assert "no checkpoint.uri to restore one from" in capsys.readouterr().err
+
+    assert main(["resume", str(write_yaml(tmp_path, bucket))]) == 2  # the bucket is there, the run is not
+    err = capsys.readouterr().err
+    assert "none archived" in err and URI in err and not (tmp_path / "runs" / "r" / "run.sqlite").exists()
