@@ -164,3 +164,29 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, moto_with_auth
     assert "nothing started" in err and "AuthFailure" in err and "credentials" in err
     assert "Traceback" not in err
     assert not (tmp_path / "runs").exists()  # no run directory, no Ray
+
+
+def test_down_config_terminates_the_runs_instances_with_no_head_left(tmp_path, aws, capsys):
+    """The head and its run directory are gone; the YAML alone finds the fleet by tag."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster_configs" / "aws-spot.yaml").read_text())
+    data["provider"]["endpoint_url"] = aws
+    data["runs_dir"] = str(tmp_path / "runs")
+    path = tmp_path / "aws.yaml"
+    path.write_text(yaml.safe_dump(data))
+    from orchestrator.config import load_cluster_config
+
+    config = load_cluster_config(path, warnings=[])
+    provider = AwsProvider(config, time.time)
+    tags = {"spotswarm-run": "aws-demo", "spotswarm-node-type": "worker-spot"}
+    for n in range(2):
+        provider.launch(LaunchSpec(f"aws-demo-worker-spot-{n:04d}", "worker-spot", "us-east-1a", "spot",
+                                   {**tags, "spotswarm-instance": f"aws-demo-worker-spot-{n:04d}"},
+                                   node_config=config.available_node_types["worker-spot"].node_config))
+    other = provider.ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    assert main(["down", str(path)]) == 0
+    assert "terminated 2 instances tagged with the run" in capsys.readouterr().out
+    described = [i for r in provider.ec2.describe_instances()["Reservations"] for i in r["Instances"]]
+    states = {d["InstanceId"]: d["State"]["Name"] for d in described}
+    assert states.pop(other) == "running"  # not the run's: left alone
+    assert set(states.values()) == {"terminated"}
+    provider.shutdown()
