@@ -190,3 +190,31 @@ def test_down_config_terminates_the_runs_instances_with_no_head_left(tmp_path, a
     assert states.pop(other) == "running"  # not the run's: left alone
     assert set(states.values()) == {"terminated"}
     provider.shutdown()
+
+
+def test_reconciliation_finds_spot_reclaims_and_releases_orphans(tmp_path, aws):
+    """Without any notice: EC2's state reason says a spot reclaim; an instance with the run's tag
+    that nobody launched or adopted is terminated once it is past the grace period."""
+    from moto.backends import get_backend
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models.instances import StateReason
+
+    config = aws_config(tmp_path, aws)
+    provider = AwsProvider(config, time.time)
+    provider.orphan_grace_s = 0.0
+    tags = {"spotswarm-run": "errs", "spotswarm-node-type": "w"}
+    spot = provider.launch(LaunchSpec("errs-w-0000", "w", "us-east-1a", "spot",
+                                      {**tags, "spotswarm-instance": "errs-w-0000"}, node_config={"ImageId": "ami-1"}))
+    died = provider.launch(LaunchSpec("errs-w-0001", "w", "us-east-1a", "spot",
+                                      {**tags, "spotswarm-instance": "errs-w-0001"}, node_config={"ImageId": "ami-1"}))
+    orphan = provider.ec2.run_instances(ImageId="ami-1", MinCount=1, MaxCount=1, TagSpecifications=[{
+        "ResourceType": "instance", "Tags": [{"Key": "spotswarm-run", "Value": "errs"}]}])["Instances"][0]["InstanceId"]
+    backend = get_backend("ec2")[DEFAULT_ACCOUNT_ID]["us-east-1"]
+    backend.terminate_instances([spot.handle, died.handle])
+    backend.get_instance(spot.handle).state_reason = StateReason("Server.SpotInstanceTermination: reclaimed",
+                                                                 "Server.SpotInstanceTermination")
+    assert sorted(provider.poll_terminated(time.time())) == ["errs-w-0000", "errs-w-0001"]
+    assert provider.was_preempted("errs-w-0000") and not provider.was_preempted("errs-w-0001")
+    state = provider.ec2.describe_instances(InstanceIds=[orphan])["Reservations"][0]["Instances"][0]["State"]
+    assert state["Name"] == "terminated"
+    provider.shutdown()
