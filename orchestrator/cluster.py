@@ -313,15 +313,22 @@ def down(target: str, console: Console, address: str | None = None) -> int:
     code = 0
     if (config.run_dir() / "run.sqlite").exists():
         code = _down_run(str(config.run_dir()), console, address)
-    if config.provider.type == "aws":
-        from .providers.aws import terminate_run
-
-        ids = terminate_run(config)
+    if config.provider.type in ("aws", "gcp"):
+        ids = _terminate_cloud_run(config)
         console.print(f"{config.cluster_name}: terminated {len(ids)} instance{'s' if len(ids) != 1 else ''} "
                       f"tagged with the run" + (f" ({', '.join(ids)})" if ids else ""))
     elif not (config.run_dir() / "run.sqlite").exists():
         console.print(f"{target}: no run at {config.run_dir()}; nothing to stop")
     return code
+
+
+def _terminate_cloud_run(config: ClusterConfig) -> list[str]:
+    """Terminate every instance of the run in its cloud (EC2 tags, GCE labels); their ids."""
+    if config.provider.type == "gcp":
+        from .providers.gcp import terminate_run
+    else:
+        from .providers.aws import terminate_run
+    return terminate_run(config)
 
 
 def _down_run(run_dir: str, console: Console, address: str | None = None) -> int:

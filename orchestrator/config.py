@@ -131,7 +131,8 @@ class ProviderConfig(_Strict):
     trace_file: str | None = None  # replayable CSV of launch/notice/kill offsets
     seed: int = 0
     # cloud providers
-    project: str | None = None  # gcp
+    project: str | None = None  # gcp: the project instances are launched in
+    project_id: str | None = None  # gcp: Ray's key for the same (either may be given)
     endpoint_url: str | None = None  # an EC2 / Compute endpoint other than the default (tests, private clouds)
     image: str | None = None
 
@@ -184,6 +185,15 @@ class ProviderConfig(_Strict):
     @classmethod
     def _endpoint_url(cls, value: str | None) -> str | None:
         return None if value is None else check_endpoint_url(value)
+
+    @pydantic.model_validator(mode="after")
+    def _project(self) -> ProviderConfig:
+        """Ray's ``project_id`` and our ``project`` name one project: either gives ``project``."""
+        if self.project is not None and self.project_id is not None and self.project != self.project_id:
+            raise ValueError(f"project {self.project!r} and project_id {self.project_id!r} differ; give one of them")
+        if self.project is None and self.project_id is not None:
+            self.project = self.project_id
+        return self
 
     @pydantic.model_validator(mode="after")
     def _default_zones(self) -> ProviderConfig:
@@ -486,8 +496,16 @@ def _aws_spot_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
 
 
 def config_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    """What is allowed but worth a word, as (key path, message): aws spot said twice, a spot head."""
-    out: list[tuple[Loc, str]] = []
+    """What is allowed but worth a word, as (key path, message): spot said twice, a spot head, a
+    gcp project for another provider."""
+    if config.provider.type == "gcp":
+        from .providers.gcp_config import gcp_config_warnings
+
+        return gcp_config_warnings(config)
+    given = [k for k in ("project_id", "project") if k in config.provider.model_fields_set]
+    out: list[tuple[Loc, str]] = [(("provider", key), f"read by the gcp provider only (the GCP project); ignored "
+                                                      f"for provider {config.provider.type!r}")
+                                  for key in given[:1]]  # project_id sets project too: one warning
     if config.provider.type != "aws":
         return out
     for name, nt in config.available_node_types.items():
@@ -518,6 +536,10 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     if config.provider.type == "aws":
         out.extend(_aws_image_problems(config))
         out.extend(_aws_spot_problems(config))
+    if config.provider.type == "gcp":
+        from .providers.gcp_config import gcp_config_problems
+
+        out.extend(gcp_config_problems(config))
     fleet = config.max_instances()
     if config.training.averaging == "collaborative" and fleet > config.training.group_size:
         # a run larger than group_size is refused: two groups in one epoch would step to different parameters
@@ -548,11 +570,13 @@ RAY_LAUNCHER_KEYS: dict[str, dict[str, str]] = {
     "provider": {
         **dict.fromkeys((
             "autoscaler_role", "autoscaler_role_binding", "autoscaler_service_account", "cloudwatch",
-            "disable_launch_config_check", "disable_node_updaters", "foreground_node_launch", "gcp_credentials",
+            "disable_launch_config_check", "disable_node_updaters", "foreground_node_launch",
             "head_ip", "location", "module", "msi_identity_id", "msi_identity_principal_id", "namespace",
-            "project_id", "resource_group", "subnet_id", "subscription_id", "tags", "use_external_head_ip",
+            "resource_group", "subnet_id", "subscription_id", "tags", "use_external_head_ip",
             "use_internal_ips", "worker_ips", "worker_liveness_check"), _IGNORED),
         "aws_credentials": "boto3 finds credentials as usual (environment, profile, instance role)",
+        "gcp_credentials": "google-auth finds credentials as usual (GOOGLE_APPLICATION_CREDENTIALS, gcloud's "
+                           "application-default login, the head's service account)",
         "cache_stopped_nodes": "spotswarm terminates the instances it releases",
         "key_pair": "set node_config.KeyName", "security_group": "set node_config.SecurityGroupIds",
     },

@@ -46,9 +46,9 @@ class WorkerActor:
         self.rebalance_at: float | None = None
 
     def start(self, worker_args: dict, watch: dict | None = None) -> dict:
-        """Start training; ``watch`` ({"interval_s": ...}) also watches this machine's metadata for
-        its preemption notice (cloud instances), so the worker leaves in time even when nobody
-        else could tell it."""
+        """Start training; ``watch`` ({"kind": "aws"|"gcp", "interval_s": ..., for gcp "deadline_s"},
+        see ``notices.instance_watch``) also watches this machine's metadata for its preemption
+        notice (cloud instances), so the worker leaves in time even when nobody else could tell it."""
         from workers.peer import TrainingPeer, WorkerConfig  # imported here: only instances need torch
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -58,10 +58,9 @@ class WorkerActor:
         self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
         self.thread.start()
         if watch is not None:
-            from .notices import NoticeWatcher
+            from .notices import start_watcher
 
-            self.watcher = NoticeWatcher(self._on_instance_notice, interval_s=float(watch.get("interval_s", 2.0)))
-            self.watcher.start()
+            self.watcher = start_watcher(watch, self._on_instance_notice)
         return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address,
                 "node_id": ray.get_runtime_context().get_node_id()}
 

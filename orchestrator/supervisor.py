@@ -29,6 +29,7 @@ from workers.state import StateSharer, StateUnavailable
 from .bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from .config import ClusterConfig
 from .durable import BackgroundArchiver, RunArchive
+from .notices import instance_watch
 from .policy import FleetPolicy
 from .providers import Instance, LaunchSpec, make_provider
 from .ray_workers import RayWorkers, announce_host
@@ -102,7 +103,7 @@ class SupervisorCore:
 
     def _worker_control(self) -> RayWorkers:
         """Cloud machines watch their own metadata for notices; the local simulator tells its workers."""
-        return RayWorkers(watch={"interval_s": 2.0} if self.config.provider.type != "local" else None)
+        return RayWorkers(watch=instance_watch(self.config.provider.type, self.config.spot.notice_period_s))
 
     def _head_changed(self) -> bool:
         """Whether the run's previous supervisor ran on another Ray cluster (the old head is gone, and

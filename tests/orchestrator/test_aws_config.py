@@ -151,8 +151,14 @@ def test_without_a_list_the_warnings_are_logged(tmp_path, caplog):
 
 
 def test_a_ray_key_close_to_ours_says_which_one_we_read(tmp_path):
+    path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  namespace: n"))
+    assert load(path)[1] == [f"{path}:5: provider.namespace: {UNUSED}ignored (did you mean 'namespaces'?)"]
+
+
+def test_rays_gcp_project_id_is_the_gcp_providers_and_ignored_here(tmp_path):
     path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  project_id: p"))
-    assert load(path)[1] == [f"{path}:5: provider.project_id: {UNUSED}ignored (did you mean 'project'?)"]
+    assert load(path)[1] == [f"{path}:5: provider.project_id: read by the gcp provider only (the GCP project); "
+                             "ignored for provider 'aws'"]
 
 
 def test_a_key_neither_ray_nor_spotswarm_knows_is_still_an_error(tmp_path):
