@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tenacity
 
+from .providers.base import CLOUD_BACKOFF
 from .run_store import RunStore
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class RunArchive:
         self.keep = keep
         self.client = client if client is not None else _s3_client(endpoint_url)
         self.attempts = attempts
-        self.wait = wait if wait is not None else tenacity.wait_random_exponential(multiplier=0.5, max=20)
+        self.wait = wait if wait is not None else CLOUD_BACKOFF
 
     @classmethod
     def for_config(cls, config: ClusterConfig) -> RunArchive | None:

@@ -18,8 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import tenacity
-
 from .config import ClusterConfig
 from .providers.base import (
     INSTANCE_TAG,
@@ -445,12 +443,8 @@ class FleetPolicy:
                               node_config=dict(node_type.node_config), resources=dict(node_type.resources),
                               sequence=index, worker_args=self.worker_args())
             spec.boot_script = self.boot_script(spec)
-            self._submit("launch", spec, self._launch_with_retries, spec, detail=spec)
-
-    @tenacity.retry(stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential(multiplier=0.5, max=5),
-                    retry=tenacity.retry_if_not_exception_type((CapacityError, ProviderAuthError)), reraise=True)
-    def _launch_with_retries(self, spec: LaunchSpec) -> Instance:
-        return self.provider.launch(spec)
+            # once: cloud providers retry transient errors themselves, and a failure backs off
+            self._submit("launch", spec, self.provider.launch, spec, detail=spec)
 
     def _launched(self, inst: Instance, place: bool = True) -> None:
         self.live[inst.id] = inst

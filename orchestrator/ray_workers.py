@@ -123,9 +123,17 @@ class RayWorkers:
         self._left_checks: dict[str, Any] = {}
         self._notice_checks: dict[str, Any] = {}
         self._next_check: dict[str, float] = {}
+        self._handles: dict[str, Any] = {}  # instance id -> its worker actor (a name lookup is a GCS call)
 
     def _actor(self, instance: Instance) -> Any:
-        return ray.get_actor(worker_actor_name(instance.id))
+        return self._handle(instance.id)
+
+    def _handle(self, instance_id: str) -> Any:
+        """The instance's worker actor; raises ValueError when it has none."""
+        handle = self._handles.get(instance_id)
+        if handle is None:
+            handle = self._handles[instance_id] = ray.get_actor(worker_actor_name(instance_id))
+        return handle
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
         """Start the worker on the instance's own node; blocks until the node joined and it runs."""
@@ -135,6 +143,7 @@ class RayWorkers:
         except BaseException:
             ray.kill(actor)  # a detached actor outlives us: never leave one waiting for a node that is gone
             raise
+        self._handles[instance.id] = actor
         logger.info("worker of %s runs on node %s as %s", instance.id, info["node_id"][:12], info["address"])
         return info["peer_id"]
 
@@ -144,17 +153,15 @@ class RayWorkers:
         except ValueError:  # no such actor: the worker never started or is gone already
             logger.info("no worker on %s to notify", instance.id)
 
-    @staticmethod
-    def _statuses(checks: dict[str, Any], instance_ids: list[str]) -> dict[str, dict]:
+    def _statuses(self, checks: dict[str, Any], instance_ids: list[str]) -> dict[str, dict]:
         """Start a status call for each instance without one in flight; return the answers that
         arrived (never waits: the policy's tick calls this)."""
         for instance_id in instance_ids:
             if instance_id not in checks:
                 try:
-                    actor = ray.get_actor(worker_actor_name(instance_id))
+                    checks[instance_id] = self._handle(instance_id).status.remote()
                 except ValueError:
                     continue
-                checks[instance_id] = actor.status.remote()
         if not checks:
             return {}
         refs = {ref: i for i, ref in checks.items()}
@@ -165,8 +172,8 @@ class RayWorkers:
             del checks[instance_id]
             try:
                 answers[instance_id] = ray.get(ref)
-            except Exception:  # killed meanwhile
-                continue
+            except Exception:  # killed meanwhile: look the name up again next time
+                self._handles.pop(instance_id, None)
         return answers
 
     def poll_left(self, instance_ids: list[str]) -> list[str]:
@@ -178,6 +185,7 @@ class RayWorkers:
         if self.watch is None:
             return []
         now = time.monotonic()
+        self._next_check = {i: t for i, t in self._next_check.items() if i in instance_ids}  # only the waiting
         due = [i for i in instance_ids if self._next_check.get(i, 0.0) <= now]
         for instance_id in due:
             self._next_check[instance_id] = now + self.check_every_s
@@ -191,7 +199,7 @@ class RayWorkers:
 
     def stop(self, instance: Instance) -> None:
         try:
-            actor = self._actor(instance)
+            actor = self._handles.pop(instance.id, None) or ray.get_actor(worker_actor_name(instance.id))
         except ValueError:
             return
         try:
@@ -205,5 +213,6 @@ class RayWorkers:
         try:
             status = ray.get(self._actor(instance).status.remote(), timeout=30)
         except Exception:
+            self._handles.pop(instance.id, None)
             return None
         return status if status["peer_id"] else None

@@ -20,8 +20,6 @@ import time
 from collections import Counter
 from typing import Any
 
-import tenacity
-
 from ..config import ClusterConfig
 from .base import (
     INSTANCE_TAG,
@@ -34,6 +32,8 @@ from .base import (
     PreemptionNotice,
     ProviderAuthError,
     ProviderError,
+    Transient,
+    retry_transient,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,6 @@ GONE_STATES = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
 SPOT_TERMINATION = "Server.SpotInstanceTermination"
 DEFAULT_SPOT_OPTIONS = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
 USER_DATA_LIMIT = 16 * 1024  # EC2 refuses larger user data
-
-
-class _Throttled(Exception):
-    """A call the cloud asked us to slow down for (retried)."""
 
 
 def _error_code(error: Exception) -> str:
@@ -106,14 +102,7 @@ class AwsProvider(NodeProvider):
     def _call(self, operation: str, **params: Any) -> dict:
         """One EC2 call: throttling is retried with exponential backoff and jitter; every other
         failure becomes a ProviderError (or CapacityError, ProviderAuthError) naming the call."""
-        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception_type(_Throttled),
-                                     wait=tenacity.wait_random_exponential(multiplier=0.5, max=20),
-                                     stop=tenacity.stop_after_attempt(self.max_attempts), reraise=True)
-        try:
-            return retrying(self._call_once, operation, params)
-        except _Throttled as e:
-            raise ProviderError(f"EC2 {operation}: still throttled after {self.max_attempts} attempts: "
-                                f"{e.__cause__}") from None
+        return retry_transient(f"EC2 {operation}", self.max_attempts, self._call_once, operation, params)
 
     def _call_once(self, operation: str, params: dict) -> dict:
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -130,13 +119,13 @@ class AwsProvider(NodeProvider):
             if code in CAPACITY_CODES:  # EC2 answers some of these with a 500: sorted before the retries
                 raise CapacityError(f"EC2 {operation}: {code}: {message}", "", "") from None
             if code in THROTTLE_CODES or status in (500, 502, 503, 504):
-                raise _Throttled() from e
+                raise Transient() from e
             raise ProviderError(f"EC2 {operation}: {code or status}: {message}") from None
         except NoCredentialsError:
             raise ProviderAuthError("no AWS credentials found (environment, ~/.aws or an instance profile); "
                                     "see docs/aws.md") from None
         except BotoCoreError as e:  # unreachable endpoint, timeouts: transient, retried
-            raise _Throttled() from e
+            raise Transient() from e
 
     # ---- zones and prices ------------------------------------------------------------------------
     def _zone_subnets(self) -> dict[str, list[str]]:
@@ -308,9 +297,9 @@ class AwsProvider(NodeProvider):
                 self.refresh_prices()
             except ProviderError as e:
                 logger.warning("spot prices not refreshed: %s", e)
-        described = self._describe({RUN_TAG: self.config.cluster_name})
-        with self._lock:
+        with self._lock:  # before the call: a launch answered meanwhile is not in its answer yet
             mine = {inst.handle: inst for inst in self.instances.values()}
+        described = self._describe({RUN_TAG: self.config.cluster_name})
         seen, gone = set(), []
         for d in described:
             ec2_id, state = d["InstanceId"], d["State"]["Name"]
@@ -322,7 +311,9 @@ class AwsProvider(NodeProvider):
                 gone.append(inst.id)
             elif inst is None and state in ("pending", "running"):
                 self._release_orphan(d)
-        gone += [inst.id for ec2_id, inst in mine.items() if ec2_id not in seen]  # gone from EC2's list altogether
+        # gone from EC2's list altogether (its list lags a launch by seconds: only old instances count)
+        gone += [inst.id for ec2_id, inst in mine.items()
+                 if ec2_id not in seen and self.clock() - inst.launched_at > self.orphan_grace_s]
         with self._lock:
             for instance_id in gone:
                 self.instances.pop(instance_id, None)

@@ -10,8 +10,13 @@ must answer at once (providers cache prices).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import tenacity
+
+T = TypeVar("T")
 
 RUN_TAG = "spotswarm-run"
 INSTANCE_TAG = "spotswarm-instance"
@@ -61,6 +66,25 @@ class PreemptionNotice:
     # "provider": the supervisor learnt it from the cloud and forwards it to the worker; "instance": the
     # machine's own watcher saw it (EC2's IMDS, GCE's metadata server) and its worker is leaving already
     source: str = "provider"
+
+
+class Transient(Exception):
+    """A call the cloud asked us to slow down for (throttling, 5xx) or that never reached it: retried."""
+
+
+#: the one backoff for cloud APIs: exponential with full jitter, so a throttled fleet spreads out
+CLOUD_BACKOFF = tenacity.wait_random_exponential(multiplier=0.5, max=20)
+
+
+def retry_transient(what: str, attempts: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, retried with ``CLOUD_BACKOFF`` while it raises Transient; after ``attempts``
+    a ProviderError naming ``what`` and the last cause."""
+    retrying = tenacity.Retrying(retry=tenacity.retry_if_exception_type(Transient), wait=CLOUD_BACKOFF,
+                                 stop=tenacity.stop_after_attempt(attempts), reraise=True)
+    try:
+        return retrying(fn, *args)
+    except Transient as e:
+        raise ProviderError(f"{what}: still refused after {attempts} attempts: {e.__cause__}") from None
 
 
 class ProviderError(RuntimeError):

@@ -31,8 +31,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import tenacity
-
 from ..config import ClusterConfig
 from .base import (
     INSTANCE_TAG,
@@ -45,6 +43,8 @@ from .base import (
     PreemptionNotice,
     ProviderAuthError,
     ProviderError,
+    Transient,
+    retry_transient,
 )
 from .gcp_config import STARTUP_SCRIPT, TAGS_ITEM, canonical
 
@@ -64,10 +64,6 @@ DEFAULT_NETWORK = [{"network": "global/networks/default",
 METADATA_VALUE_LIMIT = 256 * 1024  # GCE refuses a larger metadata value
 _LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
 _INSTANCE_NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
-
-
-class _Throttled(Exception):
-    """A call the cloud asked us to slow down for, or a transient failure (retried)."""
 
 
 class GceApiError(ProviderError):
@@ -186,14 +182,8 @@ class GcpProvider(NodeProvider):
         """One GCE call: rate limits and transient failures are retried with exponential backoff
         and jitter; every other failure becomes a ProviderError (or CapacityError,
         ProviderAuthError) naming the call."""
-        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception_type(_Throttled),
-                                     wait=tenacity.wait_random_exponential(multiplier=0.5, max=20),
-                                     stop=tenacity.stop_after_attempt(self.max_attempts), reraise=True)
-        try:
-            return retrying(self._call_once, method, fn, request, call_timeout or self.request_timeout_s)
-        except _Throttled as e:
-            raise ProviderError(f"GCE {method}: still refused after {self.max_attempts} attempts: "
-                                f"{e.__cause__}") from None
+        return retry_transient(f"GCE {method}", self.max_attempts, self._call_once, method, fn, request,
+                               call_timeout or self.request_timeout_s)
 
     def _call_once(self, method: str, fn: Callable[..., Any], request: dict, timeout: float) -> Any:
         import requests
@@ -205,15 +195,15 @@ class GcpProvider(NodeProvider):
             return fn(request=request, retry=None, timeout=timeout)
         except api.GoogleAPICallError as e:
             error = self._classify(method, e)
-            if isinstance(error, _Throttled):
+            if isinstance(error, Transient):
                 raise error from e
             raise error from None
         except (auth.TransportError, requests.RequestException) as e:  # unreachable, timeouts: transient
-            raise _Throttled() from e
+            raise Transient() from e
         except auth.GoogleAuthError as e:  # a 401 whose refresh failed (revoked, anonymous credentials)
             if getattr(e, "retryable", False) or isinstance(e.__cause__, (auth.TransportError,
                                                                            requests.RequestException)):
-                raise _Throttled() from e  # the token endpoint was unreachable for a moment
+                raise Transient() from e  # the token endpoint was unreachable for a moment
             raise ProviderAuthError(f"GCE {method}: refused the run's credentials or permissions, and new ones "
                                     f"could not be had ({type(e).__name__}: {e}); see docs/gcp.md") from None
 
@@ -225,7 +215,7 @@ class GcpProvider(NodeProvider):
         if codes & CAPACITY_CODES:  # QUOTA_EXCEEDED comes as a 403: sorted before the refusals
             return CapacityError(text, "", "")
         if codes & THROTTLE_CODES or status in (429, 500, 502, 503, 504):
-            return _Throttled()
+            return Transient()
         if status in (401, 403):
             return ProviderAuthError(f"GCE refused the run's credentials or permissions ({text}); see "
                                      "docs/gcp.md for the IAM roles needed")
@@ -408,9 +398,9 @@ class GcpProvider(NodeProvider):
         """Instances GCE no longer runs (preempted when it says so, see ``_preempted_by_status``);
         stopped ones are deleted (their disks bill on); orphans (labelled instances nobody launched
         or adopted, e.g. after a lost answer) are released."""
-        described = self._list({RUN_TAG: self.config.cluster_name})
-        with self._lock:
+        with self._lock:  # before the call: a launch answered meanwhile is not in its answer yet
             mine = {inst.handle: inst for inst in self.instances.values()}
+        described = self._list({RUN_TAG: self.config.cluster_name})
         seen, gone = set(), []
         for d in described:
             seen.add(d.name)

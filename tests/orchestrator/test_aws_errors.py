@@ -218,3 +218,16 @@ def test_reconciliation_finds_spot_reclaims_and_releases_orphans(tmp_path, aws):
     state = provider.ec2.describe_instances(InstanceIds=[orphan])["Reservations"][0]["Instances"][0]["State"]
     assert state["Name"] == "terminated"
     provider.shutdown()
+
+
+def test_a_just_launched_instance_missing_from_the_list_is_not_gone(tmp_path, aws):
+    """EC2's list lags a launch: an instance it does not list yet is gone only once it is old."""
+    from orchestrator.providers.base import Instance
+
+    provider = AwsProvider(aws_config(tmp_path, aws), time.time)
+    provider.instances["errs-w-0009"] = Instance("errs-w-0009", "w", "us-east-1a", "spot", 0.01, time.time(),
+                                                 handle="i-0000000000000dead")
+    assert provider.poll_terminated(time.time()) == []
+    provider.instances["errs-w-0009"].launched_at = time.time() - provider.orphan_grace_s - 1
+    assert provider.poll_terminated(time.time()) == ["errs-w-0009"]
+    provider.shutdown()
