@@ -3,6 +3,12 @@
 Either side may open calls on a connection once the handshake proved both identities; the dialer
 numbers its streams odd and the acceptor even, so ids never collide.  Protocol errors close the
 connection with a logged reason and fail only the calls that were on it.
+
+Until the handshake finishes a connection is a stranger's: small buffers, small headers, no
+frames, a deadline.  With membership on, each HELLO carries the sender's certificate, checked as
+soon as HELLO names the key: a side answers with its PROOF only if it accepts the other as a
+member, otherwise with ERROR on stream 0 (``x="NotAMember"``), so a ready connection means both
+sides accepted each other and a refused side learns why.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    NotAMember,
     PeerIDMismatch,
     PeerUnreachable,
     ProtocolError,
@@ -25,12 +32,14 @@ from .identity import PeerID, verify
 from .wire import Decoder
 
 if TYPE_CHECKING:
+    from .membership import Certificate
     from .node import P2P
 
 logger = logging.getLogger(__name__)
 
-# Message kinds (header key "t").
-HELLO, PROOF, OPEN, DATA, END, ERROR, CANCEL, GOAWAY = range(1, 9)
+# Message kinds (header key "t").  RENEW (s=0, "m": certificate bytes) replaces the sender's
+# membership certificate on a ready connection.
+HELLO, PROOF, OPEN, DATA, END, ERROR, CANCEL, GOAWAY, RENEW = range(1, 10)
 VERSION = 1
 _HANDSHAKE_CONTEXT = b"spotswarm/handshake/v1"
 _WRITE_HIGH_WATER = 256 * 1024
@@ -119,11 +128,22 @@ class Stream:
 
 
 class Connection(asyncio.BufferedProtocol):
+    # Slots: thousands of connections (most of them strangers' in the handshake) stay small.
+    __slots__ = (
+        "node", "loop", "limits", "decoder", "dialer", "expected_peer", "transport", "remote_addr",
+        "remote_id", "remote_client_mode", "remote_listen", "remote_certificate", "ready", "is_ready",
+        "closed_future", "streams", "handlers", "closed", "close_reason", "going_away", "remote_goaway",
+        "last_activity", "bytes_in", "half_open", "_handshake_timer", "_sent_certificate", "_nonce",
+        "_remote_pk", "_remote_nonce", "_next_sid", "_max_remote_sid", "_buffered", "_reading_paused",
+        "_budget_paused", "_transport_paused", "_write_paused", "_drain_waiters",
+    )
+
     def __init__(self, node: P2P, dialer: bool, expected_peer: PeerID | None = None) -> None:
         self.node = node
         self.loop = node.loop
         self.limits = node.limits
-        self.decoder = Decoder(node.limits)
+        self.decoder = Decoder(node.limits, node.frame_budget, handshake=True)
+        self.decoder.on_granted = self._on_budget_granted
         self.dialer = dialer
         self.expected_peer = expected_peer
         self.transport: asyncio.Transport | None = None
@@ -131,6 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         self.remote_id: PeerID | None = None
         self.remote_client_mode = False
         self.remote_listen: str | None = None
+        self.remote_certificate: Certificate | None = None  # with membership on: what the remote proved
         self.ready: asyncio.Future = self.loop.create_future()
         self.is_ready = False
         self.closed_future: asyncio.Future = self.loop.create_future()
@@ -141,25 +162,39 @@ class Connection(asyncio.BufferedProtocol):
         self.going_away = False  # no new calls on this connection
         self.remote_goaway: int | None = None
         self.last_activity = self.loop.time()
+        self.bytes_in = 0  # for the frame-budget stall rule
+        self.half_open = False  # counted in the node's accepted-but-not-ready connections
+        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._sent_certificate: bytes | None = None
         self._nonce = os.urandom(16)
         self._remote_pk = b""
         self._remote_nonce = b""
         self._next_sid = 1 if dialer else 2
         self._max_remote_sid = 0
         self._buffered = 0
-        self._reading_paused = False
+        self._reading_paused = False  # flow control: our side has not consumed enough
+        self._budget_paused = False  # a message waits for the node's frame budget
+        self._transport_paused = False
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future] = []
 
     # ---- asyncio protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.node._track(self)
         self.remote_addr = transport.get_extra_info("peername")
+        if not self.dialer and not self.node._admit_half_open(self):
+            self.closed = True
+            self.close_reason = f"over max_half_open={self.limits.max_half_open}"
+            transport.abort()  # connection_lost follows; nothing was allocated for it yet
+            return
+        self.node._track(self)
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER, low=0)
+        self._handshake_timer = self.loop.call_later(self.limits.handshake_timeout, self._handshake_expired)
         me = self.node.identity
         hello = {"t": HELLO, "s": 0, "v": VERSION, "pk": me.public_key, "n": self._nonce,
                  "c": int(self.node.client_mode), "l": self.node.listen_address_str}
+        if self.node.membership is not None:
+            hello["m"] = self._sent_certificate = self.node._certificate_bytes
         self._write(self.node.encoder.encode(hello))
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -169,13 +204,58 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.last_activity = self.loop.time()
+        self.bytes_in += nbytes
+        self._run_decoder(self.decoder.buffer_updated, nbytes)
+
+    def _run_decoder(self, step: Any, *args: Any) -> None:
+        """Dispatch what one decoder step produced; before the handshake the decoder stops after
+        each message, so later bytes are judged by the limits the handshake leaves in force."""
+        decoder = self.decoder
         try:
-            for header, size in self.decoder.buffer_updated(nbytes):
-                self._dispatch(header, size)
-                if self.closed:
-                    return
+            out = step(*args)
+            while True:
+                for header, size in out:
+                    self._dispatch(header, size)
+                    if self.closed:
+                        return
+                if not decoder.stopped_early:
+                    break
+                out = decoder.more()
         except ProtocolError as e:
-            self.abort(f"protocol error: {e}")
+            self.abort(f"protocol error: {e}", logging.WARNING if self.is_ready else logging.INFO)
+            return
+        if decoder.blocked and not self._budget_paused:
+            self._budget_paused = True
+            self._update_reading()
+            self.node._budget_blocked()
+
+    def _on_budget_granted(self) -> None:
+        # Called from inside whichever decoder released budget: continue on a fresh stack.
+        self.loop.call_soon(self._resume_after_grant)
+
+    def _resume_after_grant(self) -> None:
+        if self.closed:
+            return
+        self._budget_paused = False
+        self._run_decoder(self.decoder.more)
+        if not self.closed:
+            self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Pause the socket while flow control or the frame budget says so; resume otherwise."""
+        pause = self._reading_paused or self._budget_paused
+        if pause != self._transport_paused and self.transport is not None and not self.closed:
+            self._transport_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if not self.is_ready and not self.closed:
+            reason = f"no handshake within handshake_timeout={self.limits.handshake_timeout:g} s"
+            self._fail_ready(PeerUnreachable(f"{self.remote_id or self.remote_addr}: {reason}"), logging.DEBUG)
 
     def eof_received(self) -> bool:
         return False
@@ -256,6 +336,9 @@ class Connection(asyncio.BufferedProtocol):
             if kind == HELLO or kind == PROOF:
                 self._on_handshake(kind, h)
                 return
+            if kind == ERROR and sid == 0:
+                self._on_refused(h)
+                return
             raise ProtocolError(f"message kind {kind} before the handshake finished")
         if kind == OPEN:
             self._on_open(sid, h, size)
@@ -264,6 +347,12 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError("repeated handshake message")
         if kind == GOAWAY:
             self._on_goaway(h)
+            return
+        if sid == 0:
+            if kind == RENEW:
+                self._on_renew(h)
+            elif kind == ERROR:
+                self._on_refused(h)
             return
         stream = self.streams.get(sid)
         if kind == CANCEL:
@@ -281,7 +370,7 @@ class Connection(asyncio.BufferedProtocol):
         elif kind == END:
             stream.push_eof()
         elif kind == ERROR:
-            stream.push_error(_remote_error(h, stream.method))
+            stream.push_error(_remote_error(h, stream.method, self.remote_id))
         else:
             raise ProtocolError(f"unknown message kind {kind}")
 
@@ -301,6 +390,14 @@ class Connection(asyncio.BufferedProtocol):
                 self._fail_ready(PeerIDMismatch(
                     f"{self.remote_addr} is {self.remote_id}, expected {self.expected_peer}"))
                 return
+            membership = self.node.membership
+            if membership is not None:
+                # Checked against the key HELLO names; PROOF below must then prove that key.
+                try:
+                    self.remote_certificate = membership.check(self.remote_id, h.get("m"))
+                except NotAMember as e:
+                    self._refuse(str(e))
+                    return
             sig = me.sign(_HANDSHAKE_CONTEXT + nonce + me.public_key)
             self._write(self.node.encoder.encode({"t": PROOF, "s": 0, "sig": sig}))
             return
@@ -312,13 +409,71 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.ready.set_result(None)
         self.is_ready = True
+        self._end_handshake()
+        self.decoder.handshake_done()
         self.node._register(self)
+        current = self.node._certificate_bytes
+        if current is not None and current is not self._sent_certificate:
+            self.send_renew(current)  # renewed while this handshake was under way
 
-    def _fail_ready(self, exc: Exception) -> None:
+    def _end_handshake(self) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+        self.node._leave_half_open(self)
+
+    def _fail_ready(self, exc: Exception, level: int = logging.WARNING) -> None:
         if not self.ready.done():
             self.ready.set_exception(exc)
             self.ready.exception()  # mark retrieved: the dialer may have given up already
-        self.abort(str(exc))
+        self.abort(str(exc), level)
+
+    # ---- membership ------------------------------------------------------------------------
+    def _refuse(self, reason: str) -> None:
+        """Tell the remote it is not a member (so it can say why), then close."""
+        who = self.remote_id or self.remote_addr
+        logger.info("refusing %s at %s: %s", who, self.remote_addr, reason)
+        self._send_quiet(_error_header(0, "NotAMember", reason))
+        if not self.ready.done():
+            self.ready.set_exception(NotAMember(f"{who} is not a member: {reason}"))
+            self.ready.exception()
+        self.close(f"not a member: {reason}")  # close, not abort: the error is flushed first
+
+    def _on_refused(self, h: dict) -> None:
+        """The remote refused us (ERROR on stream 0): fail the handshake or the connection with its reason."""
+        type_name, message = str(h.get("x", "")), str(h.get("msg", ""))[:1000]
+        reason = f"refused by {self.remote_id or self.remote_addr}: {message}"
+        logger.info("%s (%s)", reason, type_name)
+        if not self.ready.done():
+            exc = NotAMember(reason) if type_name == "NotAMember" else PeerUnreachable(f"{reason} ({type_name})")
+            self.ready.set_exception(exc)
+            self.ready.exception()
+        self.close(reason)
+
+    def _on_renew(self, h: dict) -> None:
+        membership = self.node.membership
+        if membership is None:
+            return  # open mode never asked for a certificate
+        assert self.remote_id is not None
+        try:
+            self.remote_certificate = membership.check(self.remote_id, h.get("m"))
+        except NotAMember as e:
+            self._refuse(f"renewed certificate refused: {e}")
+
+    def send_renew(self, certificate: bytes) -> None:
+        """Send our renewed certificate; the remote checks it like a HELLO's."""
+        self._sent_certificate = certificate
+        self._send_quiet({"t": RENEW, "s": 0, "m": certificate})
+
+    def _remote_membership_lapsed(self) -> str | None:
+        """Why the remote's certificate no longer makes it a member, or None while it does."""
+        cert, membership = self.remote_certificate, self.node.membership
+        if cert is None or membership is None:
+            return None
+        now = membership.clock()
+        if not cert.expired(now, membership.skew):
+            return None
+        return f"certificate of {self.remote_id} expired {now - cert.expires:.0f} s ago"
 
     def _on_open(self, sid: int, h: dict, size: int) -> None:
         if sid % 2 == self._next_sid % 2 or sid <= self._max_remote_sid:
@@ -327,6 +482,12 @@ class Connection(asyncio.BufferedProtocol):
         method = h.get("m")
         if not isinstance(method, str):
             raise ProtocolError("OPEN without a method name")
+        if self.remote_certificate is not None:
+            lapsed = self._remote_membership_lapsed()
+            if lapsed is not None:
+                self._send_quiet(_error_header(sid, "NotAMember", lapsed))
+                self._refuse(lapsed)
+                return
         if self.going_away:
             return  # the GOAWAY we sent tells the caller to retry elsewhere
         if len(self.handlers) >= self.limits.max_streams:
@@ -347,16 +508,15 @@ class Connection(asyncio.BufferedProtocol):
     # ---- flow control ----------------------------------------------------------------------
     def _hold(self, nbytes: int) -> None:
         self._buffered += nbytes
-        if not self._reading_paused and self._buffered > self.limits.max_buffered_bytes and self.transport:
+        if not self._reading_paused and self._buffered > self.limits.max_buffered_bytes:
             self._reading_paused = True
-            self.transport.pause_reading()
+            self._update_reading()
 
     def consumed(self, nbytes: int) -> None:
         self._buffered -= nbytes
-        if self._reading_paused and self._buffered <= self.limits.max_buffered_bytes // 2 and not self.closed:
+        if self._reading_paused and self._buffered <= self.limits.max_buffered_bytes // 2:
             self._reading_paused = False
-            assert self.transport is not None
-            self.transport.resume_reading()
+            self._update_reading()
 
     # ---- streams ---------------------------------------------------------------------------
     def new_stream(self, method: str) -> Stream:
@@ -405,11 +565,11 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.close()
         self._fail_everything()
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, level: int = logging.WARNING) -> None:
         """Drop the connection at once because of what the remote sent."""
         if self.closed:
             return
-        logger.warning("closing connection with %s: %s", self.remote_id or self.remote_addr, reason)
+        logger.log(level, "closing connection with %s: %s", self.remote_id or self.remote_addr, reason)
         self.closed = True
         self.close_reason = reason
         if self.transport is not None:
@@ -417,6 +577,9 @@ class Connection(asyncio.BufferedProtocol):
         self._fail_everything()
 
     def _fail_everything(self) -> None:
+        self._end_handshake()
+        self.decoder.close()
+        self.decoder.on_granted = None  # no cycle through the decoder once closed
         if not self.ready.done():
             self.ready.set_exception(PeerUnreachable(self._unreachable_text()))
             self.ready.exception()
@@ -437,9 +600,11 @@ def _error_header(sid: int, type_name: str, message: str) -> dict:
     return {"s": sid, "t": ERROR, "x": type_name, "msg": message}
 
 
-def _remote_error(h: dict, method: str) -> Exception:
+def _remote_error(h: dict, method: str, peer: PeerID | None = None) -> Exception:
     type_name = str(h.get("x", "RemoteError"))
     message = str(h.get("msg", ""))
+    if type_name == "NotAMember":
+        return NotAMember(f"{method} refused by {peer}: {message}")
     if type_name == "ResourceExhausted":
         return ResourceExhausted(type_name, message, method)
     if type_name == "RPCTimeout":

@@ -19,6 +19,10 @@ class PeerIDMismatch(PeerUnreachable):
     """The peer at an address proved a different identity than the caller expected."""
 
 
+class NotAMember(PeerUnreachable):
+    """The other side is not (or no longer) a member of the run, or refused us as one."""
+
+
 class RPCTimeout(P2PError, TimeoutError):
     """The call's deadline passed before it finished; the remote handler was told to stop."""
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -14,6 +16,11 @@ class Limits:
 
     Each number bounds memory that a remote peer can make us allocate; a message over any of
     them closes the connection (or, for ``max_streams``, refuses that one call).
+
+    Before the handshake has proved who is on the other end, a connection gets far less: one
+    small header at a time (``max_handshake_header_bytes``), no frames, ``handshake_timeout``
+    seconds to finish, and at most ``max_half_open`` such accepted connections at once.  With
+    these defaults a stranger's connection costs the node a few KiB and at most 10 s.
     """
 
     max_header_bytes: int = 8 * MiB
@@ -23,8 +30,32 @@ class Limits:
     max_streams: int = 4096
     # Received-but-unconsumed bytes per connection before we stop reading from its socket.
     max_buffered_bytes: int = 8 * MiB
+    # Before the handshake: the largest header (HELLO with a certificate is well under 1 KiB);
+    # frames are not allowed at all.
+    max_handshake_header_bytes: int = 4 * KiB
+    # Seconds a connection may take to finish the handshake, dialed or accepted.
+    handshake_timeout: float = 10.0
+    # Accepted connections still in the handshake; further ones are closed at once.
+    max_half_open: int = 256
+    # Bytes the whole node promises to frames declared but not yet received.  The decoder
+    # allocates a tensor when its header arrives, so without this a peer could make us hold
+    # max_message_bytes per connection that it never sends.  1 GiB admits the largest single
+    # frame; a message that would go over waits (its connection stops reading) until others
+    # finish, and one larger than the whole budget closes the connection.
+    max_pending_frame_bytes: int = 1 * GiB
+    # While a message waits for that budget, a connection holding part of it that received
+    # fewer than min_frame_rate bytes/s over frame_stall_timeout seconds is closed.
+    frame_stall_timeout: float = 30.0
+    min_frame_rate: int = 64 * KiB
 
     def __post_init__(self) -> None:
-        for name, value in self.__dict__.items():
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                kind = "number"
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+                kind = "int"
+            if not ok or value <= 0:
+                raise ValueError(f"Limits.{f.name} must be a positive {kind}, got {value!r}")

@@ -1,6 +1,7 @@
 """A peer on the network: listens (unless in client mode), dials, and runs RPC handlers.
 
-Many peers can live in one event loop (``spawn_peers``); nothing here is global.
+Many peers can live in one event loop (``spawn_peers``); nothing here is global.  With a
+:class:`~p2p.membership.Membership` a peer talks only to the run's members (see ``connection.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from .connection import DATA, END, ERROR, OPEN, Connection, Retry, Stream
 from .errors import PeerUnreachable, RemoteError, RPCTimeout
 from .identity import Identity, PeerID
 from .limits import Limits
-from .wire import Encoder
+from .membership import Certificate, Membership
+from .wire import Encoder, FrameBudget
 
 logger = logging.getLogger(__name__)
 _NOTHING: Any = object()
+_LISTEN_BACKLOG = 1024  # a burst of dials (or of strangers) queues in the kernel, not in SYN retries
+_REFUSAL_LOG_PERIOD = 30.0  # at most one line per this many seconds about refused half-open connections
 PeerLike = PeerAddress | PeerID | str
 
 
@@ -41,6 +45,7 @@ class CallContext:
     remote_address: Any
     remote_client_mode: bool
     header: dict = field(repr=False)  # the OPEN header, e.g. for auth fields under "a"
+    certificate: Certificate | None = None  # the caller's membership certificate (roles), if membership is on
 
 
 class AuthHook(Protocol):
@@ -142,12 +147,22 @@ class P2P:
         default_timeout: float = 30.0,
         auth: AuthHook | None = None,
         max_connections: int = 1024,
+        membership: Membership | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.identity = identity or Identity()
         self.client_mode = client_mode
         self.limits = limits or Limits()
         self.encoder = Encoder(self.limits)
+        self.membership = membership
+        self._certificate_bytes: bytes | None = None
+        if membership is not None:
+            if membership.certificate is None:
+                raise ValueError("membership without a certificate: this peer could not join the run "
+                                 "(the authority issues one for its peer id)")
+            membership.adopt(membership.certificate, self.identity.peer_id)  # ValueError says what is wrong
+            self._certificate_bytes = membership.certificate.to_bytes()
+        self.frame_budget = FrameBudget(self.limits.max_pending_frame_bytes)
         self.idle_timeout = idle_timeout
         self.default_timeout = default_timeout
         self.auth = auth
@@ -162,6 +177,12 @@ class P2P:
         self._handler_tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
         self._closed = False
+        self._half_open = 0
+        self._refused_half_open = 0
+        self._last_refusal_log = -_REFUSAL_LOG_PERIOD
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_marks: dict[Connection, int] = {}
+        self._stall_since = 0.0
 
     @classmethod
     async def create(cls, host: str = "127.0.0.1", port: int = 0, *, client_mode: bool = False,
@@ -169,11 +190,13 @@ class P2P:
         """Start a peer; it listens on ``host:port`` (port 0 picks a free one) unless ``client_mode``.
 
         ``announce_host`` is the host others dial: a peer listening on 0.0.0.0 must announce the
-        address other machines reach it at (its node's IP), never the wildcard."""
+        address other machines reach it at (its node's IP), never the wildcard.  With
+        ``membership=Membership(...)`` (which must hold this peer's certificate) it talks only to
+        the run's members."""
         node = cls(client_mode=client_mode, **kwargs)
         if not client_mode:
             node._server = await node.loop.create_server(
-                lambda: Connection(node, dialer=False), host, port, reuse_address=True)
+                lambda: Connection(node, dialer=False), host, port, reuse_address=True, backlog=_LISTEN_BACKLOG)
             sock_host, sock_port = node._server.sockets[0].getsockname()[:2]
             node.address = PeerAddress(announce_host or sock_host, sock_port, node.peer_id)
         node._sweeper = node.loop.create_task(node._sweep_idle())
@@ -238,7 +261,8 @@ class P2P:
         fn, kind = entry
         sid = stream.sid
         assert conn.remote_id is not None
-        ctx = CallContext(conn.remote_id, stream.method, conn.remote_addr, conn.remote_client_mode, h)
+        ctx = CallContext(conn.remote_id, stream.method, conn.remote_addr, conn.remote_client_mode, h,
+                          conn.remote_certificate)
         try:
             if kind is CallKind.UNARY or kind is CallKind.SERVER_STREAM:
                 try:
@@ -279,6 +303,11 @@ class P2P:
                     first: Any = _NOTHING, end: bool = False) -> Call:
         for _ in range(3):
             conn = self._cached_connection(peer) or await self._connection(peer, deadline)
+            if conn.remote_certificate is not None:
+                lapsed = conn._remote_membership_lapsed()
+                if lapsed is not None:  # dial again: the remote's HELLO carries its current certificate
+                    conn.close(lapsed)
+                    continue
             try:
                 stream = conn.new_stream(method)
             except Retry:
@@ -424,18 +453,52 @@ class P2P:
 
     def _track(self, conn: Connection) -> None:
         self._connections.add(conn)
-        if len(self._connections) > self.max_connections:
-            self._evict_idle(exclude=conn)
+        if conn.dialer:  # an accepted connection counts once its handshake proved who it is
+            self._evict_if_over(conn)
 
-    def _evict_idle(self, exclude: Connection) -> None:
-        """Over max_connections: close the least recently active idle connections (never busy ones)."""
+    def _evict_if_over(self, exclude: Connection) -> None:
+        """Over max_connections: close the least recently active idle connections (never busy ones).
+
+        Accepted connections still in their handshake do not count, so strangers cannot push
+        members' connections out; ``max_half_open`` bounds those instead."""
+        excess = len(self._connections) - self._half_open - self.max_connections
+        if excess <= 0:
+            return
         idle = sorted((c for c in self._connections
                        if c.idle and c.is_ready and c is not exclude and not c.closed and not c.going_away),
                       key=lambda c: c.last_activity)
-        for conn in idle[: len(self._connections) - self.max_connections]:
+        for conn in idle[:excess]:
             conn.goaway()
 
+    def _admit_half_open(self, conn: Connection) -> bool:
+        """Count an accepted connection until its handshake ends; False (refuse it) past max_half_open."""
+        if self._half_open >= self.limits.max_half_open or self._closed:
+            self._refused_half_open += 1
+            now = self.loop.time()
+            if now - self._last_refusal_log >= _REFUSAL_LOG_PERIOD:
+                logger.warning("%s: %d accepted connections have not finished the handshake "
+                               "(max_half_open=%d): refusing new ones (%d since the last report)",
+                               self, self._half_open, self.limits.max_half_open, self._refused_half_open)
+                self._last_refusal_log = now
+                self._refused_half_open = 0
+            return False
+        self._half_open += 1
+        conn.half_open = True
+        return True
+
+    def _leave_half_open(self, conn: Connection) -> None:
+        if conn.half_open:
+            conn.half_open = False
+            self._half_open -= 1
+
+    @property
+    def num_half_open(self) -> int:
+        """Accepted connections that have not finished the handshake."""
+        return self._half_open
+
     def _register(self, conn: Connection) -> None:
+        if not conn.dialer:
+            self._evict_if_over(conn)
         if conn.remote_id is not None and not conn.going_away and not conn.closed:
             self._by_peer[conn.remote_id] = conn
 
@@ -457,6 +520,52 @@ class P2P:
     def connected_peers(self) -> list[PeerID]:
         return list(self._by_peer)
 
+    def peer_certificate(self, peer_id: PeerID) -> Certificate | None:
+        """The membership certificate a connected peer presented last (None: not connected, or open mode)."""
+        conn = self._by_peer.get(peer_id)
+        return conn.remote_certificate if conn is not None else None
+
+    # ---- frame budget ----------------------------------------------------------------------
+    def _budget_blocked(self) -> None:
+        """A message waits for the frame budget: watch those holding it for a stall."""
+        if self._stall_timer is not None or self._closed:
+            return
+        self._stall_marks = {c: c.bytes_in for c in self._connections if c.decoder.reserved}
+        self._stall_since = self.loop.time()
+        self._stall_timer = self.loop.call_later(self.limits.frame_stall_timeout, self._check_stalls)
+
+    def _check_stalls(self) -> None:
+        """Close holders of the budget that fed it less than min_frame_rate while others waited."""
+        self._stall_timer = None
+        marks, self._stall_marks = self._stall_marks, {}
+        if not self.frame_budget.waiting:
+            return
+        elapsed = self.loop.time() - self._stall_since
+        for conn, mark in marks.items():
+            # A connection we paused ourselves (its data is not consumed yet) is not stalling.
+            if conn.closed or not conn.decoder.reserved or conn._reading_paused:
+                continue
+            got = conn.bytes_in - mark
+            if got < self.limits.min_frame_rate * elapsed:
+                conn.abort(f"stalled mid-message: {got} bytes in {elapsed:.1f} s while holding "
+                           f"{conn.decoder.reserved} bytes of the frame budget that others wait for")
+        if self.frame_budget.waiting:
+            self._budget_blocked()
+
+    # ---- renewal ---------------------------------------------------------------------------
+    def renew_certificate(self, cert: Certificate) -> None:
+        """Adopt a renewed membership certificate and send it on every ready connection.
+
+        ValueError if membership is off or ``cert`` is not a valid certificate of this peer for
+        this run; new connections present it in their HELLO."""
+        if self.membership is None:
+            raise ValueError("renew_certificate needs membership (this peer runs in open mode)")
+        self.membership.adopt(cert, self.peer_id)
+        raw = self._certificate_bytes = cert.to_bytes()
+        for conn in list(self._connections):
+            if conn.is_ready and not conn.closed:
+                conn.send_renew(raw)
+
     async def _sweep_idle(self) -> None:
         period = max(self.idle_timeout / 4, 0.05)
         while True:
@@ -474,6 +583,10 @@ class P2P:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self._stall_marks.clear()
         conns = list(self._connections)
         for conn in conns:
             conn.close("peer shut down")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,9 @@ _NUMPY_DTYPES = {
 }
 _TORCH_ONLY = {"bfloat16": 2}
 _SCRATCH = 16 * 1024  # grows on demand; small so thousands of idle connections stay cheap
+# Before the handshake: a stranger's connection must cost next to nothing, so the scratch buffer
+# is allocated when the first bytes arrive, at this size, and grows only to the handshake limit.
+_HANDSHAKE_SCRATCH = 1024
 # A frame remainder at least this big is read straight into its destination, not via scratch.
 _DIRECT_READ = 64 * 1024
 
@@ -134,6 +139,51 @@ class Encoder:
         return msgpack.ExtType(TENSOR_EXT, meta)
 
 
+class FrameBudget:
+    """Bytes one node has promised to frames declared but not yet received, over all connections.
+
+    A decoder reserves a message's frame bytes when it reads the lengths, before allocating the
+    tensors, and releases them when the message is complete or the connection is gone.  A
+    request that does not fit waits in FIFO order (the decoder stops; its connection stops
+    reading) and is granted, through the decoder's ``on_granted``, when enough is released.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.reserved = 0
+        self._waiting: deque[tuple[Decoder, int]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def reserve(self, decoder: Decoder, nbytes: int) -> bool:
+        """True if granted now; False if queued; ProtocolError if it could never fit."""
+        if nbytes > self.capacity:
+            raise ProtocolError(f"message declares {nbytes} frame bytes, over the node's "
+                                f"max_pending_frame_bytes={self.capacity}")
+        if not self._waiting and self.reserved + nbytes <= self.capacity:
+            self.reserved += nbytes
+            return True
+        self._waiting.append((decoder, nbytes))
+        return False
+
+    def release(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+        self._grant()
+
+    def withdraw(self, decoder: Decoder) -> None:
+        """Forget a waiting request (its connection closed); those behind it may fit now."""
+        self._waiting = deque((d, n) for d, n in self._waiting if d is not decoder)
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self.reserved + self._waiting[0][1] <= self.capacity:
+            decoder, nbytes = self._waiting.popleft()
+            self.reserved += nbytes
+            decoder._granted(nbytes)
+
+
 @dataclass
 class _Frames:
     """Frame lengths of the message being read and the buffers its tensors will land in."""
@@ -149,15 +199,25 @@ class Decoder:
     """Incremental message parser: ``get_buffer`` / ``buffer_updated`` like asyncio's BufferedProtocol.
 
     Raises :class:`ProtocolError` on any malformed or oversized input; after that the decoder
-    (and the connection that owns it) must be discarded.
+    (and the connection that owns it) must be discarded, and ``close`` called.
+
+    With ``handshake=True`` it starts in the stricter pre-handshake mode (small scratch buffer,
+    headers up to ``max_handshake_header_bytes``, no frames, one message per call so the owner
+    can finish the handshake before later bytes are judged) until ``handshake_done``.  With a
+    ``budget`` it reserves frame bytes there before allocating them, and may stop (``blocked``)
+    until the budget grants them.
     """
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, budget: FrameBudget | None = None, handshake: bool = False) -> None:
         self.limits = limits
-        self._buf = bytearray(_SCRATCH)
+        self.budget = budget
+        self.handshake = handshake
+        self._max_header = (min(limits.max_handshake_header_bytes, limits.max_header_bytes) if handshake
+                            else limits.max_header_bytes)
+        self._buf = bytearray(0 if handshake else _SCRATCH)
         self._start = 0
         self._end = 0
-        self._state = 0  # 0 prefix, 1 lengths, 2 header, 3 frames
+        self._state = 0  # 0 prefix, 1 lengths, 2 header, 3 frames, 4 waiting for budget, -1 closed
         self._header_len = 0
         self._n_frames = 0
         self._frames: _Frames | None = None
@@ -166,6 +226,46 @@ class Decoder:
         self._frame_fill = 0
         self._direct = False
         self.message_bytes = 0  # size of the message being read, for flow-control accounting
+        self.reserved = 0  # frame bytes of the current message held in the budget
+        self.stopped_early = False  # the last parse left whole messages buffered (pre-handshake)
+        self.on_granted: Callable[[], None] | None = None  # the budget granted a blocked message
+
+    def handshake_done(self) -> None:
+        """Lift the pre-handshake limits: the other side proved who it is."""
+        self.handshake = False
+        self._max_header = self.limits.max_header_bytes
+        if len(self._buf) < _SCRATCH:
+            avail = self._available()
+            new = bytearray(_SCRATCH if avail <= _SCRATCH else avail)
+            new[:avail] = self._buf[self._start:self._end]
+            self._buf, self._start, self._end = new, 0, avail
+
+    @property
+    def blocked(self) -> bool:
+        """True while the current message waits for the frame budget."""
+        return self._state == 4
+
+    def more(self) -> list[tuple[dict, int]]:
+        """Parse what is already buffered (after a handshake message, or a budget grant)."""
+        return self._parse()
+
+    def close(self) -> None:
+        """Stop parsing and give back any frame budget held or waited for; the connection is gone."""
+        waiting, self._state = self._state == 4, -1
+        self._frames = self._header = None
+        if self.budget is None:
+            return
+        if waiting:
+            self.budget.withdraw(self)
+        if self.reserved:
+            nbytes, self.reserved = self.reserved, 0
+            self.budget.release(nbytes)
+
+    def _granted(self, nbytes: int) -> None:
+        self.reserved = nbytes
+        self._state = 2
+        if self.on_granted is not None:
+            self.on_granted()
 
     # ---- buffer protocol -------------------------------------------------------------------
     def get_buffer(self) -> memoryview:
@@ -215,7 +315,7 @@ class Decoder:
         """Move unread bytes to the front; grow the scratch buffer if it cannot hold ``need`` bytes."""
         avail = self._available()
         if need > len(self._buf):
-            new = bytearray(max(need, len(self._buf) * 2))
+            new = bytearray(max(need, len(self._buf) * 2, _HANDSHAKE_SCRATCH))
             new[:avail] = self._buf[self._start:self._end]
             self._buf = new
         else:
@@ -233,7 +333,11 @@ class Decoder:
 
     def _parse(self) -> list[tuple[dict, int]]:
         out: list[tuple[dict, int]] = []
+        self.stopped_early = False
         while True:
+            if out and self.handshake:
+                self.stopped_early = self._start < self._end
+                break  # one message at a time until the owner has judged the handshake
             if self._state == 0 and self._fast_small(out):
                 continue
             if self._state == 0:
@@ -252,10 +356,12 @@ class Decoder:
                     break
                 self._on_header(bytes(raw))
                 self._advance_frames(out)
-            else:
+            elif self._state == 3:
                 if not self._copy_into_frame():
                     break
                 self._advance_frames(out)
+            else:
+                break  # waiting for the frame budget, or closed
         if self._start == self._end:
             self._start = self._end = 0
         return out
@@ -267,7 +373,7 @@ class Decoder:
             return False
         header_len, n_frames = PREFIX.unpack_from(self._buf, start)
         total = PREFIX.size + header_len
-        if n_frames or self._end - start < total or not 0 < header_len <= self.limits.max_header_bytes:
+        if n_frames or self._end - start < total or not 0 < header_len <= self._max_header:
             return False
         self._start = start + total
         self._frames = _Frames([])
@@ -278,8 +384,11 @@ class Decoder:
 
     def _on_prefix(self, header_len: int, n_frames: int) -> None:
         lim = self.limits
-        if header_len == 0 or header_len > lim.max_header_bytes:
-            raise ProtocolError(f"header length {header_len} outside 1..{lim.max_header_bytes}")
+        if header_len == 0 or header_len > self._max_header:
+            what = "before the handshake " if self.handshake else ""
+            raise ProtocolError(f"header length {header_len} {what}outside 1..{self._max_header}")
+        if n_frames and self.handshake:
+            raise ProtocolError(f"{n_frames} frames before the handshake finished")
         if n_frames > lim.max_frames:
             raise ProtocolError(f"{n_frames} frames exceed max_frames={lim.max_frames}")
         self._header_len, self._n_frames = header_len, n_frames
@@ -300,6 +409,11 @@ class Decoder:
             raise ProtocolError(f"message of {total} bytes exceeds max_message_bytes={lim.max_message_bytes}")
         self.message_bytes += total
         self._frames = _Frames(lengths)
+        if total and self.budget is not None:
+            if not self.budget.reserve(self, total):
+                self._state = 4
+                return
+            self.reserved = total
         self._state = 2
 
     def _on_header(self, raw: bytes) -> None:
@@ -354,6 +468,10 @@ class Decoder:
         self._header = None
         self._frames = None
         self._state = 0
+        if self.reserved:
+            nbytes, self.reserved = self.reserved, 0
+            assert self.budget is not None
+            self.budget.release(nbytes)
 
 
 def _make_target(code: int, data: bytes, frames: _Frames) -> Any:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p import Limits, ProtocolError
-from p2p.wire import PREFIX, TENSOR_EXT, Decoder, EncodeError, Encoder
+from p2p.wire import PREFIX, TENSOR_EXT, Decoder, EncodeError, Encoder, FrameBudget
 
 LIMITS = Limits(max_header_bytes=4096, max_frame_bytes=1 << 20, max_frames=8, max_message_bytes=2 << 20)
 
@@ -150,3 +150,54 @@ def test_fuzz_declared_sizes_are_checked_before_allocation(header_len, n_frames,
     if len(frames) >= n_frames:
         assert all(f <= LIMITS.max_frame_bytes for f in frames[:n_frames])
         assert sum(frames[:n_frames]) <= LIMITS.max_message_bytes
+
+
+# ---- before the handshake, and the frame budget ------------------------------------------------
+def _encoded(header: dict) -> list[bytes]:
+    return [bytes(b) for b in Encoder(LIMITS).encode(header)]
+
+
+def test_before_the_handshake_headers_are_small_frames_refused_and_messages_come_one_at_a_time():
+    with pytest.raises(ProtocolError, match="before the handshake outside 1..4096"):
+        Decoder(Limits(), handshake=True).feed(PREFIX.pack(4097, 0))
+    with pytest.raises(ProtocolError, match="frames before the handshake"):
+        Decoder(Limits(), handshake=True).feed(b"".join(_encoded({"p": np.zeros(4, np.uint8)})))
+    dec = Decoder(Limits(), handshake=True)
+    first, second = _encoded({"t": 1})[0], b"".join(_encoded({"t": 2, "p": np.arange(3, dtype=np.uint8)}))
+    assert [h["t"] for h, _ in dec.feed(first + second)] == [1]  # the frame after it is not judged yet
+    assert dec.stopped_early
+    dec.handshake_done()  # what the connection does when the first message completed the handshake
+    (h, _), = dec.more()
+    assert h["t"] == 2 and list(h["p"]) == [0, 1, 2]
+
+
+def test_the_frame_budget_makes_a_message_wait_and_grants_it_when_another_completes():
+    budget = FrameBudget(100)
+    first, waiting = Decoder(LIMITS, budget), Decoder(LIMITS, budget)
+    granted = []
+    waiting.on_granted = lambda: granted.append(True)
+    head1, frame1 = _encoded({"p": np.full(80, 1, np.uint8)})
+    head2, frame2 = _encoded({"p": np.full(40, 2, np.uint8)})
+    assert first.feed(head1) == [] and budget.reserved == 80
+    assert waiting.feed(head2) == [] and waiting.blocked and budget.waiting == 1
+    (h1, _), = first.feed(frame1)
+    assert granted == [True] and not waiting.blocked and budget.reserved == 40
+    assert waiting.more() == []  # header parsed, tensor allocated; its frame is still to come
+    (h2, _), = waiting.feed(frame2)
+    assert list(h1["p"]) == [1] * 80 and list(h2["p"]) == [2] * 40 and budget.reserved == 0
+
+
+def test_the_frame_budget_refuses_what_could_never_fit_and_closing_gives_back_what_was_held():
+    budget = FrameBudget(100)
+    with pytest.raises(ProtocolError, match="over the node's max_pending_frame_bytes=100"):
+        Decoder(LIMITS, budget).feed(_encoded({"p": np.zeros(101, np.uint8)})[0])
+    holder, waiter, behind = Decoder(LIMITS, budget), Decoder(LIMITS, budget), Decoder(LIMITS, budget)
+    holder.feed(_encoded({"p": np.zeros(60, np.uint8)})[0])
+    waiter.feed(_encoded({"p": np.zeros(90, np.uint8)})[0])
+    behind.feed(_encoded({"p": np.zeros(10, np.uint8)})[0])  # fits, but waits its turn (FIFO)
+    assert budget.reserved == 60 and budget.waiting == 2
+    waiter.close()  # its connection died while waiting
+    assert budget.waiting == 0 and budget.reserved == 70 and not behind.blocked
+    holder.close()
+    behind.close()
+    assert budget.reserved == 0

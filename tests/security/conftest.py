@@ -1,0 +1,1 @@
+"""Attack tests: hostile peers against each layer; each test file brings its own fixtures."""
