@@ -11,13 +11,16 @@ from .routing import Contact, RoutingTable
 from .validation import (
     CompositeValidator,
     DHTRecord,
+    KeyRule,
     RecordValidator,
     SchemaValidator,
     SignatureValidator,
     ValidationError,
+    default_validators,
 )
 
 __all__ = [
-    "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "RecordTooLarge", "RecordValidator",
+    "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "KeyRule", "RecordTooLarge", "RecordValidator",
     "RoutingTable", "SchemaValidator", "SignatureValidator", "ValidationError", "ValueWithExpiration",
+    "default_validators",
 ]

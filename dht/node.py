@@ -22,7 +22,7 @@ from p2p.node import CallContext
 
 from .routing import ID_BYTES, Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
 from .storage import Entry, Storage, merge_entries
-from .validation import CompositeValidator, DHTRecord, RecordValidator, ValidationError
+from .validation import CompositeValidator, DHTRecord, RecordValidator, SignatureValidator, ValidationError, show_raw
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +84,34 @@ class DHTNode:
     """A DHT peer on an event loop.  Create with ``await DHTNode.create(...)``.
 
     Values are any msgpack-serializable Python data (None, bool, int, float, str, bytes, lists,
-    dicts; tuples come back as lists). Keys and subkeys are msgpack-serializable too.  Expiration
-    times are absolute wall-clock seconds (``time.time()``).
+    dicts; tuples come back as lists). Keys and subkeys are hashable msgpack-serializable data
+    (a tuple subkey comes back as a tuple).  Expiration times are absolute wall-clock seconds
+    (``time.time()``), at most ``max_expiration`` ahead.
+
+    Owner signatures are checked even with no validators given (``verify_signatures``); a
+    ``SignatureValidator`` passed in ``validators`` also signs this node's owned records.
     """
 
     def __init__(self, p2p: P2P, *, owns_p2p: bool, validators: Iterable[RecordValidator] = (),
                  bucket_size: int = 20, depth_modulo: int = 5, num_replicas: int = 5, alpha: int = 3,
                  rpc_timeout: float = 3.0, max_key_bytes: int = 1024, max_value_bytes: int = 1 << 20,
                  max_records: int = 100_000, clock_drift: float = 1.0, refresh_period: float = 600.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_expiration: float = 86400.0, max_subkeys: int = 1024, max_key_total_bytes: int = 2 << 20,
+                 verify_signatures: bool = True, clock: Callable[[], float] = time.time) -> None:
         self.p2p = p2p
         self._owns_p2p = owns_p2p
         self.node_id = node_id_of(p2p.peer_id)
         self.client_mode = p2p.client_mode
         self.routing = RoutingTable(self.node_id, bucket_size, depth_modulo)
-        self.storage = Storage(max_records=max_records, clock=clock, clock_drift=clock_drift)
+        self.storage = Storage(max_records=max_records, clock=clock, clock_drift=clock_drift,
+                               max_expiration=max_expiration, max_subkeys=max_subkeys,
+                               max_key_total_bytes=max_key_total_bytes)
+        validators = list(validators)
+        if verify_signatures and not any(isinstance(v, SignatureValidator) for v in validators):
+            # a replica that skipped owner signatures would store and serve forged records
+            validators.append(SignatureValidator(p2p.identity))
         self.validator = CompositeValidator(validators)
+        self.max_expiration = max_expiration
         self.bucket_size = bucket_size
         self.num_replicas = num_replicas
         self.alpha = alpha
@@ -264,6 +276,11 @@ class DHTNode:
             raise RecordTooLarge(f"{what} of {len(raw)} bytes exceeds the limit of {limit} bytes")
 
     def _make_record(self, key: Any, value: Any, expiration_time: float, subkey: Any) -> DHTRecord:
+        ahead = expiration_time - self.storage.clock()
+        if not ahead <= self.max_expiration:  # NaN too
+            raise ValueError(f"expiration time {expiration_time} for key {key!r} is {ahead:.0f} s from now; "
+                             f"records may expire at most max_expiration={self.max_expiration:g} s ahead "
+                             "(re-store before it passes to keep a record longer)")
         key_raw = serialize_key(key)
         self._check_size("key", key_raw, self.max_key_bytes)
         sub_raw = None if subkey is None else serialize_key(subkey)
@@ -279,36 +296,66 @@ class DHTNode:
         self.validator.check(record)  # the writer gets the reason a replica would refuse with
         return record
 
+    def _user_value(self, record: DHTRecord) -> Any:
+        """The value a received record carries; ValidationError if a validator refuses it or it does not decode."""
+        plain = self.validator.check(record).value
+        try:
+            return msgpack.unpackb(plain, raw=False, strict_map_key=False)
+        except Exception:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
+            sub = "" if record.subkey is None else f" subkey {show_raw(record.subkey)}"
+            raise ValidationError(f"key {show_raw(record.key)}{sub}: value is not valid msgpack") from None
+
     def _validated(self, key: bytes, entry: Entry) -> Entry | None:
         """``entry`` without the records that fail validation (a lying peer cannot forge them)."""
-        good: Entry | None = None
+        now, limit = self.storage.now(), self.storage.clock() + self.max_expiration + self.storage.clock_drift
+        good: dict[bytes | None, tuple[bytes, float]] = {}
+        dropped: list[str] = []
         for subkey, value, exp in entry.records():
-            try:
-                self.validator.check(DHTRecord(key, subkey, value, exp))
-            except ValidationError as e:
-                logger.debug("dropping an invalid record for %r: %s", key, e)
+            if not now < exp <= limit:
+                if exp > limit:
+                    dropped.append(f"expiration {exp - now:.0f} s ahead")
                 continue
-            good = merge_entries(good, Entry(key, value, exp) if subkey is None else
-                                 Entry(key, subkeys={subkey: (value, exp)}))
-        return good
+            try:
+                self._user_value(DHTRecord(key, subkey, value, exp))
+                if subkey is not None:
+                    _decode_subkey(subkey)
+            except ValidationError as e:
+                dropped.append(str(e))
+                continue
+            good[subkey] = (value, exp)
+        _log_dropped(key, dropped)
+        if not good:
+            return None
+        if entry.subkeys is None:
+            return Entry(key, *good[None])
+        return Entry(key, subkeys={sk: vx for sk, vx in good.items() if sk is not None})
 
     def _decode(self, entry: Entry | None) -> ValueWithExpiration | None:
+        """The user's view of an entry; a record that does not validate or decode is left out, and only that one."""
         if entry is None:
             return None
         alive = entry.alive(self.storage.now())
         if alive is None:
             return None
-
-        def user_value(subkey: bytes | None, value: bytes, exp: float) -> Any:
-            plain = self.validator.check(DHTRecord(alive.key, subkey, value, exp)).value
-            return msgpack.unpackb(plain, raw=False, strict_map_key=False)
-
+        dropped: list[str] = []
         if alive.subkeys is None:
             assert alive.value is not None
-            return ValueWithExpiration(user_value(None, alive.value, alive.expiration_time), alive.expiration_time)
-        items = {msgpack.unpackb(sk, raw=False, strict_map_key=False): ValueWithExpiration(user_value(sk, v, e), e)
-                 for sk, (v, e) in alive.subkeys.items()}
-        return ValueWithExpiration(items, alive.latest_expiration)
+            try:
+                value = self._user_value(DHTRecord(alive.key, None, alive.value, alive.expiration_time))
+            except ValidationError as e:
+                _log_dropped(alive.key, [str(e)])
+                return None
+            return ValueWithExpiration(value, alive.expiration_time)
+        items: dict[Any, ValueWithExpiration] = {}
+        for sk, (v, e) in alive.subkeys.items():
+            try:
+                items[_decode_subkey(sk)] = ValueWithExpiration(self._user_value(DHTRecord(alive.key, sk, v, e)), e)
+            except ValidationError as err:
+                dropped.append(str(err))
+        _log_dropped(alive.key, dropped)
+        if not items:
+            return None
+        return ValueWithExpiration(items, max(item.expiration_time for item in items.values()))
 
     # ---- lookups -------------------------------------------------------------------------------
     def _new_search(self, target: int, key: bytes | None, want: int, stop_on_value: bool) -> _Search:
@@ -542,10 +589,28 @@ class DHTNode:
             return f"value over {self.max_value_bytes} bytes"
         record = DHTRecord(key, subkey, value, float(exp))
         try:
-            self.validator.check(record)
+            self._user_value(record)
+            if subkey is not None:
+                _decode_subkey(subkey)
         except ValidationError as e:
             return str(e)
         return self.storage.store(key_id(key), key, subkey, value, float(exp))
+
+
+def _decode_subkey(raw: bytes) -> Any:
+    """A subkey as the user wrote it (tuples as tuples); ValidationError if it cannot be a dict key."""
+    try:
+        subkey = msgpack.unpackb(raw, raw=False, use_list=False)
+        hash(subkey)
+    except Exception:
+        raise ValidationError(f"subkey {raw[:64]!r} does not decode to a hashable value") from None
+    return subkey
+
+
+def _log_dropped(key: bytes, reasons: list[str]) -> None:
+    if reasons:
+        logger.debug("left out %d record(s) of key %s that failed validation, first: %s",
+                     len(reasons), show_raw(key), reasons[0])
 
 
 def _chunks(records: list[DHTRecord], budget: int) -> list[list[DHTRecord]]:

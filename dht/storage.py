@@ -3,14 +3,32 @@
 The merge rule is the whole consistency model: the later expiration wins (ties go to the larger
 serialized value, so every replica picks the same winner whatever order stores arrive in), and
 dictionaries merge subkey by subkey.  Expired records vanish.
+
+A dictionary is shared: many writers each own a subkey (their progress, their declaration), often
+signed so that nobody else can overwrite it.  So a dictionary that still has a live subkey beats
+any plain value, whatever its expiration: otherwise one writer could wipe everybody's subkeys with
+a single plain value that expires later (hivemind's rule).  A plain value has no such owners:
+anyone may overwrite it with a later one (unless its key names an owner, who alone may then write
+it in either form), so a subkey write replacing it takes nothing a writer could not take already.
+The rule is still a total order on what replicas hold, so they converge whatever order stores
+arrive in.  A plain value meant for a live dictionary key is refused; once every subkey has
+expired it is accepted as usual.
+
+Limits bound what one writer can make a replica hold: expirations at most ``max_expiration``
+seconds ahead, at most ``max_subkeys`` subkeys and ``max_key_total_bytes`` bytes per key.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .validation import show_raw
+
+logger = logging.getLogger(__name__)
 
 
 def _newer(value_a: bytes, exp_a: float, value_b: bytes, exp_b: float) -> bool:
@@ -80,20 +98,19 @@ class Entry:
 
 def merge(old: Entry | None, key: bytes, subkey: bytes | None, value: bytes,
           expiration_time: float) -> Entry | None:
-    """``old`` with one record applied, or None if the record loses to what is there."""
+    """``old`` (only its live records) with one record applied, or None if the record loses to what is there."""
     if old is None:
         if subkey is None:
             return Entry(key, value, expiration_time)
         return Entry(key, subkeys={subkey: (value, expiration_time)})
     if subkey is None:
-        if old.subkeys is None:
-            assert old.value is not None
-            wins = _newer(value, expiration_time, old.value, old.expiration_time)
-        else:
-            wins = expiration_time > old.latest_expiration
+        if old.subkeys is not None:
+            return None  # a live dictionary is shared: no single plain value replaces it (module docstring)
+        assert old.value is not None
+        wins = _newer(value, expiration_time, old.value, old.expiration_time)
         return Entry(key, value, expiration_time) if wins else None
     if old.subkeys is None:
-        return Entry(key, subkeys={subkey: (value, expiration_time)}) if expiration_time > old.expiration_time else None
+        return Entry(key, subkeys={subkey: (value, expiration_time)})
     current = old.subkeys.get(subkey)
     if current is not None and not _newer(value, expiration_time, *current):
         return None
@@ -101,13 +118,20 @@ def merge(old: Entry | None, key: bytes, subkey: bytes | None, value: bytes,
 
 
 def merge_entries(a: Entry | None, b: Entry | None) -> Entry | None:
-    """The union of two views of one key, by the same rule as storing b's records into a."""
+    """The union of two views of one key (live records only), by the same rule as storing b's records into a."""
     if a is None or b is None:
         return a or b
-    result: Entry = a
-    for subkey, value, exp in b.records():
-        result = merge(result, a.key, subkey, value, exp) or result
-    return result
+    if a.subkeys is None and b.subkeys is None:
+        assert a.value is not None and b.value is not None
+        return b if _newer(b.value, b.expiration_time, a.value, a.expiration_time) else a
+    if a.subkeys is None or b.subkeys is None:
+        return b if a.subkeys is None else a  # a live dictionary beats a plain value
+    subkeys = dict(a.subkeys)
+    for subkey, (value, exp) in b.subkeys.items():
+        current = subkeys.get(subkey)
+        if current is None or _newer(value, exp, *current):
+            subkeys[subkey] = (value, exp)
+    return Entry(a.key, subkeys=subkeys)
 
 
 @dataclass
@@ -117,6 +141,9 @@ class Storage:
     max_records: int = 100_000
     clock: Callable[[], float] = time.time
     clock_drift: float = 1.0  # a record stays alive this long past its expiration by our clock
+    max_expiration: float = 86400.0  # seconds ahead of our clock (plus clock_drift) a record may expire
+    max_subkeys: int = 1024  # per key: a run of several hundred peers, each with its own subkey
+    max_key_total_bytes: int = 2 << 20  # per key: its live subkeys and values together
     _data: dict[int, Entry] = field(default_factory=dict)
     _expiry_heap: list[tuple[float, int]] = field(default_factory=list)
 
@@ -127,10 +154,13 @@ class Storage:
         return self.clock() - self.clock_drift
 
     def store(self, key_id: int, key: bytes, subkey: bytes | None, value: bytes, expiration_time: float) -> bool:
-        """Apply one record; True if it was accepted (newer than what we had)."""
+        """Apply one record; True if it was accepted (newer than what we had, and within the limits)."""
         now = self.now()
         if expiration_time <= now:
             return False
+        if not expiration_time <= self.clock() + self.max_expiration + self.clock_drift:  # NaN too
+            return self._refuse(key, f"expiration {expiration_time - self.clock():.0f} s ahead exceeds "
+                                     f"max_expiration={self.max_expiration:g} s")
         self._prune(now)
         old = self._data.get(key_id)
         if old is not None:
@@ -138,11 +168,29 @@ class Storage:
         merged = merge(old, key, subkey, value, expiration_time)
         if merged is None:
             return False
+        if subkey is not None and merged.subkeys is not None:
+            reason = self._over_limits(merged)
+            if reason is not None:
+                return self._refuse(key, f"subkey {show_raw(subkey)}: {reason}")
         if key_id not in self._data and len(self._data) >= self.max_records:
             self._evict_one()
         self._data[key_id] = merged
         heapq.heappush(self._expiry_heap, (merged.latest_expiration, key_id))
         return True
+
+    def _over_limits(self, entry: Entry) -> str | None:
+        assert entry.subkeys is not None
+        if len(entry.subkeys) > self.max_subkeys:
+            return f"the key already holds max_subkeys={self.max_subkeys} subkeys"
+        total = sum(len(sk) + len(v) for sk, (v, _) in entry.subkeys.items())
+        if total > self.max_key_total_bytes:
+            return f"the key's subkeys would total {total} bytes, over max_key_total_bytes={self.max_key_total_bytes}"
+        return None
+
+    @staticmethod
+    def _refuse(key: bytes, reason: str) -> bool:
+        logger.debug("refusing a record for key %s: %s", show_raw(key), reason)
+        return False
 
     def get(self, key_id: int) -> Entry | None:
         entry = self._data.get(key_id)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import msgpack
 import pydantic
@@ -147,16 +148,95 @@ def _unwrap(value: bytes) -> tuple[bytes | None, list[bytes]]:
 
 
 # ---- schemas ---------------------------------------------------------------------------------
-class SchemaValidator(RecordValidator):
-    """Values under keys that are strings starting with a prefix must match that prefix's pydantic model.
+@dataclass(frozen=True)
+class KeyRule:
+    """What may be stored under the string keys ``matches`` accepts.
 
-    For a dictionary key, each subkey's value is checked against the model.
+    The keys belong to the layers above the DHT, so they declare their rules and every node of a
+    swarm installs the same list (``SchemaValidator(rules=[...])``).  Build one with ``exact``,
+    ``prefix``, ``regex`` or ``where``.
+    """
+
+    matches: Callable[[str], bool]
+    name: str  # how refusals name the rule, e.g. "keys starting with 'run.'"
+    dictionary: bool | None = None  # True: subkey writes only; False: plain values only; None: either
+    value: Any = None  # a pydantic model, or any type pydantic validates (``str | None``); None: anything
+    allow_none: bool = False  # a None value (a withdrawal) passes besides ``value``
+    subkey: type | None = None  # what every subkey must be (``str``, ``int``); None: anything
+    owned_subkeys: bool = False  # every subkey must name its owner ([owner:...]), so only the owner writes it
+    _adapter: pydantic.TypeAdapter | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.value is not None:
+            object.__setattr__(self, "_adapter", pydantic.TypeAdapter(self.value))
+
+    @classmethod
+    def exact(cls, key: str, **options: Any) -> KeyRule:
+        return cls(key.__eq__, f"key {key!r}", **options)
+
+    @classmethod
+    def prefix(cls, prefix: str, **options: Any) -> KeyRule:
+        return cls(lambda key: key.startswith(prefix), f"keys starting with {prefix!r}", **options)
+
+    @classmethod
+    def regex(cls, pattern: str, name: str | None = None, **options: Any) -> KeyRule:
+        """Keys the whole of which match ``pattern`` (e.g. a name with an epoch in it)."""
+        compiled = re.compile(pattern)
+        return cls(lambda key: compiled.fullmatch(key) is not None, name or f"keys matching {pattern!r}", **options)
+
+    @classmethod
+    def where(cls, predicate: Callable[[str], bool], name: str, **options: Any) -> KeyRule:
+        return cls(predicate, name, **options)
+
+    def check(self, key: str, record: DHTRecord) -> None:
+        where = f"key {key!r}" + (f" subkey {show_raw(record.subkey)}" if record.subkey is not None else "")
+        if self.dictionary is True and record.subkey is None:
+            raise ValidationError(f"{where}: refused a plain value ({self.name}: a dictionary, subkey writes only)")
+        if self.dictionary is False and record.subkey is not None:
+            raise ValidationError(f"{where}: refused a subkey write ({self.name}: plain values only)")
+        if record.subkey is not None:
+            self._check_subkey(where, record)
+        if self._adapter is None:
+            return
+        value = _unpack_value(where, record.value)
+        if value is None and self.allow_none:
+            return
+        try:
+            self._adapter.validate_python(value)
+        except pydantic.ValidationError as e:
+            raise ValidationError(f"{where}: value does not match schema {_type_name(self.value)}: "
+                                  f"{_problems(e)}") from None
+
+    def _check_subkey(self, where: str, record: DHTRecord) -> None:
+        assert record.subkey is not None
+        if self.owned_subkeys and not _MARKER.search(record.subkey):
+            raise ValidationError(f"{where}: refused a subkey that names no owner ({self.name}: every subkey "
+                                  "carries [owner:...], so that only its owner can write it)")
+        if self.subkey is None:
+            return
+        try:
+            sub = msgpack.unpackb(record.subkey, raw=False)
+        except Exception:
+            raise ValidationError(f"{where}: subkey is not valid msgpack") from None
+        if not isinstance(sub, self.subkey) or (self.subkey is int and isinstance(sub, bool)):
+            raise ValidationError(f"{where}: refused a {type(sub).__name__} subkey ({self.name}: "
+                                  f"subkeys are {self.subkey.__name__})")
+
+
+class SchemaValidator(RecordValidator):
+    """Values under string keys must satisfy every rule that matches the key.
+
+    ``SchemaValidator({"prefix": Model})`` is shorthand for ``KeyRule.prefix("prefix", value=Model)``:
+    each value (for a dictionary key, each subkey's value) must match the pydantic model.
+    ``rules`` adds any ``KeyRule``: dictionary-only keys, subkey types, owned subkeys.
     """
 
     priority = 0
 
-    def __init__(self, schemas: dict[str, type[pydantic.BaseModel]]) -> None:
-        self.schemas = dict(schemas)
+    def __init__(self, schemas: dict[str, type[pydantic.BaseModel]] | None = None,
+                 rules: Iterable[KeyRule] = ()) -> None:
+        self.schemas = dict(schemas or {})
+        self.rules = [KeyRule.prefix(p, value=model) for p, model in self.schemas.items()] + list(rules)
 
     def validate(self, record: DHTRecord) -> None:
         try:
@@ -165,26 +245,39 @@ class SchemaValidator(RecordValidator):
             return
         if not isinstance(key, str):
             return
-        for prefix, model in self.schemas.items():
-            if key.startswith(prefix):
-                self._check(key, record, model)
-
-    @staticmethod
-    def _check(key: str, record: DHTRecord, model: type[pydantic.BaseModel]) -> None:
-        where = f"key {key!r}" + (f" subkey {_show(record.subkey)}" if record.subkey is not None else "")
-        try:
-            value = msgpack.unpackb(record.value, raw=False)
-        except Exception:
-            raise ValidationError(f"{where}: value is not valid msgpack") from None
-        try:
-            model.model_validate(value)
-        except pydantic.ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
-            raise ValidationError(f"{where}: value does not match schema {model.__name__}: {problems}") from None
+        for rule in self.rules:
+            if rule.matches(key):
+                rule.check(key, record)
 
 
-def _show(raw: bytes | None) -> str:
+def _unpack_value(where: str, raw: bytes) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        raise ValidationError(f"{where}: value is not valid msgpack") from None
+
+
+def _problems(e: pydantic.ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", None) or str(t)
+
+
+def show_raw(raw: bytes | None) -> str:
+    """A serialized key, subkey or value as readable text, for messages."""
     try:
         return repr(msgpack.unpackb(raw, raw=False)) if raw is not None else "None"
     except Exception:
         return repr(raw)
+
+
+def default_validators(identity: Identity | None = None, rules: Iterable[KeyRule] = ()) -> list[RecordValidator]:
+    """The validators a node installs unless it knows better: owner signatures (made with ``identity``,
+    checked for everyone) and the swarm's key rules, if it has any."""
+    validators: list[RecordValidator] = [SignatureValidator(identity or Identity())]
+    rules = list(rules)
+    if rules:
+        validators.append(SchemaValidator(rules=rules))
+    return validators

@@ -178,3 +178,24 @@ async def test_a_peer_answering_garbage_does_not_break_lookups(make_swarm):
             assert (await rng.choice(nodes).get(f"g{i}")).value == i
     finally:
         await liar.shutdown()
+
+
+async def test_nodes_check_owner_signatures_even_without_validators(make_swarm):
+    nodes = await make_swarm(6)  # no validators given
+    marker = SignatureValidator(Identity()).marker
+    exp = time.time() + HOUR
+    unsigned = [[serialize_key("k"), serialize_key(marker), msgpack.packb(1), exp]]
+    replies = await asyncio.gather(*(nodes[0].p2p.call(n.address, "dht.store", {"r": unsigned}) for n in nodes[1:]))
+    assert all(isinstance(r[0], str) and "signature" in r[0] for r in replies)
+    own = SignatureValidator(nodes[0].p2p.identity).marker  # a node signs what its own identity owns
+    assert await nodes[0].store("k", 2, exp, subkey=own)
+    assert {k: v.value for k, v in (await nodes[3].get("k", latest=True)).value.items()} == {own: 2}
+
+
+async def test_max_expiration_is_configurable(make_swarm):
+    nodes = await make_swarm(3, max_expiration=60)
+    with pytest.raises(ValueError, match="max_expiration=60"):
+        await nodes[0].store("k", 1, time.time() + 120)
+    assert await nodes[0].store("k", 1, time.time() + 50)
+    raw = [[serialize_key("k2"), None, msgpack.packb(1), time.time() + 120]]
+    assert await nodes[0].p2p.call(nodes[1].address, "dht.store", {"r": raw}) == [False]

@@ -1,4 +1,4 @@
-"""Validators: owner signatures and pydantic schemas."""
+"""Validators: owner signatures, pydantic schemas and key rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import pydantic
 import pytest
 
 from dht.routing import serialize_key
-from dht.validation import CompositeValidator, DHTRecord, SchemaValidator, SignatureValidator, ValidationError
+from dht.validation import (
+    CompositeValidator,
+    DHTRecord,
+    KeyRule,
+    SchemaValidator,
+    SignatureValidator,
+    ValidationError,
+    default_validators,
+)
 from p2p import Identity
 
 
@@ -75,3 +83,43 @@ def test_signature_and_schema_compose():
     assert msgpack.unpackb(reader.check(signed).value) == {"epoch": 2, "samples": 1}
     with pytest.raises(ValidationError, match="Progress"):
         writer.check(writer.sign(record("progress", {"epoch": "x", "samples": 1}, subkey=alice.marker)))
+
+
+def test_key_rules_fix_each_keys_shape():
+    owner = SignatureValidator(Identity())
+    rules = [
+        KeyRule.exact("run.progress", dictionary=True, subkey=str, owned_subkeys=True, value=Progress,
+                      allow_none=True),
+        KeyRule.regex(r"run_\w+\.mm\..+", dictionary=True, subkey=str),
+        KeyRule.prefix("uid.", dictionary=False, value=str, allow_none=True),
+        KeyRule.where(lambda k: k.endswith("/"), "grid prefixes", subkey=int),
+    ]
+    v = CompositeValidator([owner, SchemaValidator(rules=rules)])
+    mine = f"{owner.marker}me"
+    ok = [record("run.progress", {"epoch": 1, "samples": 2}, subkey=mine), record("run.progress", None, subkey=mine),
+          record("run_grad.mm.e5", {"any": "thing"}, subkey="peer"), record("uid.3", "host:1"), record("uid.3", None),
+          record("g/", "x", subkey=3), record("unruled", 1)]
+    for rec in ok:
+        v.check(v.sign(rec))
+    refused = {
+        "refused a plain value": record("run.progress", {"epoch": 1, "samples": 2}),
+        "names no owner": record("run.progress", {"epoch": 1, "samples": 2}, subkey="me"),
+        "value does not match schema Progress": record("run.progress", {"epoch": -1.5, "samples": 2}, subkey=mine),
+        "keys matching": record("run_grad.mm.e5", 1),
+        "refused a subkey write (keys starting with 'uid.'": record("uid.3", "host:1", subkey="s"),
+        "schema str": record("uid.3", 7),
+        "refused a bool subkey (grid prefixes": record("g/", "x", subkey=True),
+    }
+    for reason, rec in refused.items():
+        with pytest.raises(ValidationError) as info:
+            v.check(v.sign(rec))
+        assert reason in str(info.value), str(info.value)
+
+
+def test_default_validators_check_signatures_and_install_rules():
+    identity = Identity()
+    sig, *rest = default_validators(identity)
+    assert isinstance(sig, SignatureValidator) and sig.identity is identity and rest == []
+    _, schema = default_validators(identity, [KeyRule.exact("k", dictionary=True)])
+    with pytest.raises(ValidationError, match="refused a plain value"):
+        schema.validate(record("k", 1))
