@@ -20,7 +20,7 @@ from dht import DHT, DHTNode
 from p2p import CallKind, PeerID
 from p2p.node import CallContext
 
-from .allreduce import AllReduceRound, GroupInfo
+from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
 from .compression import Codec
 from .matchmaking import Matchmaker
 from .partition import FlatTensors
@@ -33,7 +33,10 @@ class StepResult:
     """What one averaging step did."""
 
     group_size: int
-    failed_peers: list[PeerID] = field(default_factory=list)
+    failed_peers: list[PeerID] = field(default_factory=list)  # dropped from at least one part, in group order
+    # why each of failed_peers was dropped, as this peer saw it or its reducer reported it
+    # ("part 2: chunk 0: ..." names the part whose reducer decided)
+    excluded: dict[PeerID, str] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
     matchmaking_time: float = 0.0
@@ -52,15 +55,29 @@ class StepResult:
 class DecentralizedAverager:
     """Averages ``tensors`` (float; copied into one flat buffer unless a single contiguous float32
     tensor is given) with peers found under ``prefix``.  Read and modify the averaged values
-    through ``tensors`` (views into the buffer), not while a step is running."""
+    through ``tensors`` (views into the buffer), not while a step is running.
+
+    ``max_weight`` bounds the weight a member may declare and ``norm_ratio`` how far a member's
+    values may stand above the others' in a chunk (None: no such check); members outside either
+    are dropped from the average (see ``allreduce``).  Every member of a run should use the same.
+    """
+
+    round_class: type[AllReduceRound] = AllReduceRound  # the all-reduce this averager runs
 
     def __init__(self, tensors: Sequence[torch.Tensor], node: DHTNode, prefix: str, *,
                  target_group_size: int = 8, min_group_size: int = 2, min_matchmaking_time: float = 1.0,
                  request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
                  compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 16, window: int = 6,
-                 bandwidth: float = 100.0, poll_interval: float = 0.05) -> None:
+                 bandwidth: float = 100.0, poll_interval: float = 0.05, max_weight: float = DEFAULT_MAX_WEIGHT,
+                 norm_ratio: float | None = DEFAULT_NORM_RATIO) -> None:
         if "." in prefix or not prefix:
             raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
+        if not 0 < max_weight < float("inf"):
+            raise ValueError(f"max_weight must be a positive finite number, got {max_weight!r}")
+        if norm_ratio is not None and not 1 < norm_ratio < float("inf"):
+            raise ValueError(f"norm_ratio must be a finite number above 1 or None, got {norm_ratio!r}")
+        self.max_weight = float(max_weight)
+        self.norm_ratio = norm_ratio
         self.node = node
         self.prefix = prefix
         self.flat = FlatTensors(tensors)
@@ -94,25 +111,33 @@ class DecentralizedAverager:
                    target_group_size: int | None = None, abort: asyncio.Event | None = None) -> StepResult:
         """Find a group under ``group_key`` and average with it; averages in place.
 
-        ``weight`` (e.g. samples processed) weighs this peer in the mean.  Never raises for other
-        peers' faults: the result says who failed, and ``group_size == 1`` if no group formed.
+        ``weight`` (e.g. samples processed) weighs this peer in the mean; at most ``max_weight``.
+        Never raises for other peers' faults: the result says who failed and why (``excluded``),
+        and ``group_size == 1`` if no group formed.
         Raises ShapeMismatch if the group's tensors differ from ours.  Setting ``abort`` gives up
         matchmaking (e.g. the others have moved on without us); a round once started runs to its end.
         """
-        if not weight >= 0 or weight == float("inf"):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"weight must be a number, got {weight!r}") from None
+        problem = weight_problem(weight, self.max_weight)
+        if problem is not None:
+            raise ValueError(f"{problem}: a weight must be finite, >= 0 and at most max_weight")
         loop = asyncio.get_running_loop()
         async with self._lock:
             started = loop.time()
             mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
             total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
             deadline = started + total
-            group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort)
+            group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
+                                          weight)
             matched = loop.time()
             if group is None or group.size < 2:
                 return StepResult(1, matchmaking_time=matched - started)
-            round_ = AllReduceRound(self.node.p2p, self.method, group, self.flat, float(weight), self.codec,
-                                    self.chunk_size, self.sender_timeout, self.window)
+            round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, self.codec,
+                                      self.chunk_size, self.sender_timeout, self.window,
+                                      max_weight=self.max_weight, norm_ratio=self.norm_ratio)
             future = self._rounds.setdefault(group.group_id, loop.create_future())
             if not future.done():
                 future.set_result(round_)
@@ -123,14 +148,15 @@ class DecentralizedAverager:
             return StepResult(
                 group_size=group.size,
                 failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],
+                excluded={group.peer_ids[i]: outcome.failed[i] for i in sorted(outcome.failed)},
                 bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
                 matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
                 group_id=group.group_id.hex(), my_index=group.my_index,
                 group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes))
 
     async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
-                         abort: asyncio.Event | None) -> GroupInfo | None:
-        forming = self.matchmaker.form_group(group_key, deadline, target_group_size)
+                         abort: asyncio.Event | None, weight: float) -> GroupInfo | None:
+        forming = self.matchmaker.form_group(group_key, deadline, target_group_size, weight)
         if abort is None:
             return await forming
         task = asyncio.ensure_future(forming)

@@ -9,17 +9,24 @@ Error bounds (max absolute error of decode(encode(x)) against x, per element):
   rounded to nearest.
 - ``blockwise8``: the same bound, but per block of ``BLOCK`` elements, so one outlier only costs
   precision in its own block.
+
+Payloads come from other peers, so decoding trusts nothing: every codec's tensor must have the
+dtype, shape and length that codec produces, and its scales must be what ``encode`` writes.
+Anything else raises ``MalformedChunk`` before any destination memory is touched; a payload that
+would decode to NaN/inf raises ``NonFiniteChunk``; nothing is ever cast from a foreign dtype.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import torch
 
 BLOCK = 256
 FP16_MAX = 65504.0
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class Codec(str, enum.Enum):
@@ -67,27 +74,136 @@ def encode(codec: Codec, x: torch.Tensor) -> dict[str, Any]:
     return {"c": codec.value, "d": q, "lo": lo.reshape(-1), "s": scale.reshape(-1)}
 
 
-def decode_into(payload: Any, out: torch.Tensor) -> None:
-    """Decode a payload into ``out`` (float32, the chunk's destination); ValueError if malformed."""
+class BadChunk(ValueError):
+    """A peer's chunk payload that this peer refuses; the message says what was wrong."""
+
+
+class MalformedChunk(BadChunk):
+    """Not what any encoder of this codec produces (codec, dtype, shape, length or scales)."""
+
+
+class NonFiniteChunk(BadChunk):
+    """Well formed, but it would decode to NaN or inf."""
+
+
+_DATA_DTYPE = {Codec.NONE: torch.float32, Codec.FP16: torch.float16, Codec.UNIFORM8: torch.uint8,
+               Codec.BLOCKWISE8: torch.uint8}
+
+
+def check(payload: Any, n: int) -> Codec:
+    """The codec of a payload meant to decode to ``n`` float32 values; MalformedChunk if it is not
+    exactly what that codec's encoder produces.  Reads no data, only types, shapes and scales."""
     if not isinstance(payload, dict) or "c" not in payload or not isinstance(payload.get("d"), torch.Tensor):
-        raise ValueError("chunk payload must be {'c': codec, 'd': tensor, ...}")
+        raise MalformedChunk("chunk payload must be {'c': codec, 'd': tensor, ...}")
+    try:
+        codec = Codec(payload["c"])
+    except (ValueError, TypeError):
+        raise MalformedChunk(f"unknown codec {str(payload['c'])[:40]!r}") from None
+    data: torch.Tensor = payload["d"]
+    if data.dtype != _DATA_DTYPE[codec]:
+        raise MalformedChunk(f"{codec.value} chunk has dtype {data.dtype}, expected {_DATA_DTYPE[codec]}")
+    if data.dim() != 1 or data.layout != torch.strided or data.device.type != "cpu":
+        raise MalformedChunk(f"{codec.value} chunk has shape {tuple(data.shape)}, expected ({n},)")
+    if data.numel() != n:
+        raise MalformedChunk(f"{codec.value} chunk has {data.numel()} elements, expected {n}")
+    if codec is Codec.UNIFORM8:
+        lo, scale = payload.get("lo"), payload.get("s")
+        if not _is_number(lo) or not _is_number(scale):
+            raise MalformedChunk("uniform8 chunk needs numbers 'lo' and 's'")
+        if scale < 0:
+            raise MalformedChunk(f"uniform8 chunk has a negative scale {scale!r}")
+    elif codec is Codec.BLOCKWISE8:
+        n_blocks = -(-n // BLOCK)
+        for name in ("lo", "s"):
+            t = payload.get(name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
+                    or t.layout != torch.strided or t.device.type != "cpu":
+                raise MalformedChunk(f"blockwise8 chunk's '{name}' must be a 1-d float32 tensor")
+            if t.numel() != n_blocks:
+                raise MalformedChunk(f"blockwise8 chunk has {t.numel()} values of '{name}', expected {n_blocks}")
+        if n_blocks and float(payload["s"].min()) < 0:
+            raise MalformedChunk("blockwise8 chunk has a negative scale")
+    return codec
+
+
+def norm(x: torch.Tensor) -> float:
+    """The L2 norm of a float tensor: NaN or inf exactly when x holds a NaN or an inf.
+
+    One pass (``vector_norm``: 6 us per 64K floats, against 15 us for ``aminmax`` and 140 us for
+    ``isfinite().all()``, which also allocates); only when the float32 squares overflow, i.e.
+    for values past ~1e19, a second look tells a non-finite value from a huge finite one.
+    """
+    if x.numel() == 0:
+        return 0.0
+    result = float(torch.linalg.vector_norm(x))
+    if math.isfinite(result):
+        return result
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.nan if math.isnan(lo) or math.isnan(hi) else math.inf
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64))
+
+
+def decodes_finite(codec: Codec, payload: dict) -> bool:
+    """Whether a checked payload decodes to finite float32 values, without decoding it."""
     data = payload["d"]
-    if data.numel() != out.numel():
-        raise ValueError(f"chunk has {data.numel()} elements, expected {out.numel()}")
-    codec = Codec(payload["c"])
+    if codec is Codec.NONE:
+        return math.isfinite(norm(data))
+    if codec is Codec.FP16:
+        return data.numel() == 0 or all(math.isfinite(float(v)) for v in torch.aminmax(data))
+    if codec is Codec.UNIFORM8:  # q * s + lo in float32, q in [0, 255]: the product must not overflow
+        lo, scale = payload["lo"], payload["s"]
+        return abs(lo) <= FLOAT32_MAX and 255 * scale <= FLOAT32_MAX and abs(lo + 255 * scale) <= FLOAT32_MAX
+    lo, scale = payload["lo"].double(), payload["s"].double()
+    if lo.numel() == 0:
+        return True
+    return max(float(lo.abs().max()), float(scale.max()) * 255, float((lo + 255 * scale).abs().max())) \
+        <= FLOAT32_MAX
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def decode(payload: Any, n: int) -> tuple[torch.Tensor, float]:
+    """The payload's ``n`` values as float32, and their L2 norm; an exact (``none``) payload is
+    returned as is, without a copy.  Raises MalformedChunk, or NonFiniteChunk for NaN/inf."""
+    codec = check(payload, n)
+    if codec is Codec.NONE:
+        values = payload["d"]
+    else:
+        values = torch.empty(n, dtype=torch.float32)
+        _write(codec, payload, values)
+    magnitude = norm(values)
+    if not math.isfinite(magnitude):
+        raise NonFiniteChunk(f"{codec.value} chunk decodes to non-finite values")
+    return values, magnitude
+
+
+def decode_into(payload: Any, out: torch.Tensor) -> None:
+    """Decode a payload into ``out`` (float32, the chunk's destination); raises MalformedChunk or
+    NonFiniteChunk, leaving ``out`` untouched, if the payload is malformed or not finite."""
+    codec = check(payload, out.numel())
+    if not decodes_finite(codec, payload):
+        raise NonFiniteChunk(f"{codec.value} chunk decodes to non-finite values")
+    _write(codec, payload, out.view(-1))
+
+
+def _write(codec: Codec, payload: dict, out: torch.Tensor) -> None:
+    data = payload["d"]
     if codec is Codec.NONE or codec is Codec.FP16:
-        out.copy_(data.reshape(out.shape))
+        out.copy_(data)
     elif codec is Codec.UNIFORM8:
-        torch.add(data.reshape(out.shape).float() * float(payload["s"]), float(payload["lo"]), out=out)
+        torch.add(data.float() * float(payload["s"]), float(payload["lo"]), out=out)
     else:
         lo, scale = payload["lo"], payload["s"]
-        n_blocks = -(-out.numel() // BLOCK)
-        if not isinstance(lo, torch.Tensor) or lo.numel() != n_blocks or scale.numel() != n_blocks:
-            raise ValueError("blockwise chunk has the wrong number of block scales")
+        n_blocks = lo.numel()
+        if n_blocks == 0:
+            return
         padded = torch.zeros(n_blocks * BLOCK, dtype=torch.float32)
         padded[: out.numel()] = data
         blocks = padded.reshape(n_blocks, BLOCK) * scale.reshape(-1, 1) + lo.reshape(-1, 1)
-        out.copy_(blocks.reshape(-1)[: out.numel()].reshape(out.shape))
+        out.copy_(blocks.reshape(-1)[: out.numel()])
 
 
 def _pad_blocks(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dht import DHTNode
 from p2p import P2PError, PeerID
 from p2p.node import CallContext
 
-from .allreduce import GroupInfo
+from .allreduce import GroupInfo, claimed_weight
 from .load_balancing import load_balanced_parts
 from .partition import describe_mismatch
 
@@ -39,6 +39,7 @@ class Candidate:
     address: str | None = field(compare=False)
     bandwidth: float = field(compare=False)
     schema_hash: str = field(compare=False, default="")
+    weight: float = field(compare=False, default=1.0)  # as declared; every member checks it
 
     @property
     def can_lead(self) -> bool:
@@ -76,6 +77,7 @@ class Matchmaker:
         self.numel = numel
         self.target_group_size = target_group_size
         self._target = target_group_size  # this call's target: at most target_group_size
+        self._weight = 1.0  # this call's weight in the average
         self.min_group_size = min_group_size
         self.min_matchmaking_time = min_matchmaking_time
         self.request_timeout = request_timeout
@@ -107,14 +109,16 @@ class Matchmaker:
 
     # ---- the whole procedure -------------------------------------------------------------------
     async def form_group(self, group_key: str, deadline: float,
-                         target_group_size: int | None = None) -> GroupInfo | None:
+                         target_group_size: int | None = None, weight: float = 1.0) -> GroupInfo | None:
         """Find a group before ``deadline`` (loop time); None if none formed.
 
         ``target_group_size`` overrides the configured target for this call (e.g. the number of
         peers known to be ready), so a leader can close the group as soon as everyone is in.
+        ``weight`` is this peer's weight in the average, declared to the group.
         """
         loop = asyncio.get_running_loop()
         self._target = min(target_group_size or self.target_group_size, self.target_group_size)
+        self._weight = weight
         declared_at = time.time()
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
         key = self._dht_key(group_key)
@@ -161,7 +165,7 @@ class Matchmaker:
     async def _follow(self, group_key: str, leader: Candidate, unreachable: set[PeerID],
                       deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
-        request = {"k": group_key, "schema": self.schema, "bw": self.bandwidth,
+        request = {"k": group_key, "schema": self.schema, "bw": self.bandwidth, "w": self._weight,
                    "a": self.p2p.listen_address_str and str(self.p2p.address)}
         timeout = min(deadline - loop.time(), self.min_matchmaking_time + self.request_timeout)
         if timeout <= 0:
@@ -225,10 +229,12 @@ class Matchmaker:
 
     def _assemble(self, lead: _Leadership) -> GroupInfo:
         followers = lead.followers[: self._target - 1]
-        members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth),
-                   *followers]
+        members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth,
+                             weight=self._weight), *followers]
         sizes = load_balanced_parts(self.numel, [m.bandwidth for m in members])
-        group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes, 0)
+        # weights go in as declared: each member refuses out-of-range ones itself, by the same rule
+        group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes,
+                          [m.weight for m in members], 0)
         wire = group.to_wire()
         for f in followers:
             fut = lead.replies.get(f.peer_id)
@@ -250,7 +256,8 @@ class Matchmaker:
         bandwidth = request.get("bw")
         address = request.get("a") if not ctx.remote_client_mode else None
         follower = Candidate(0.0, ctx.peer_id, address if isinstance(address, str) else None,
-                             float(bandwidth) if isinstance(bandwidth, (int, float)) and bandwidth >= 0 else 0.0)
+                             _declared_bandwidth(bandwidth),
+                             weight=claimed_weight(request.get("w")))
         reply: asyncio.Future = asyncio.get_running_loop().create_future()
         lead.followers.append(follower)
         lead.replies[ctx.peer_id] = reply
@@ -277,6 +284,14 @@ def _pick_leader(candidates: list[Candidate], unreachable: set[PeerID]) -> Candi
         if leaders:
             return leaders[0]
     return None
+
+
+def _declared_bandwidth(value: Any) -> float:
+    """A follower's bandwidth (Mbit/s) for the load-balancing LP, which fails the whole group on inf,
+    NaN or a denormal: below 1 kbit/s (or not a number) counts as 0, above 1 Tbit/s as 1 Tbit/s."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 1e-3:
+        return 0.0
+    return min(float(value), 1e6)
 
 
 def _parse_candidate(subkey: Any, value: Any) -> Candidate | None:
