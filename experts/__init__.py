@@ -11,6 +11,7 @@ from .errors import (
     ExpertError,
     ExpertRequestTooLarge,
     ExpertSchemaError,
+    NonFiniteValues,
     NotEnoughExperts,
     UnknownExpert,
 )
@@ -20,12 +21,13 @@ from .moe import MixtureCallReport, RemoteMixtureOfExperts
 from .remote import ExpertInfo, RemoteExpert
 from .schema import TensorSchema
 from .server import BackgroundExpertServer, ExpertServer
+from .trust import AssignedServers, TrustPolicy
 
 __all__ = [
-    "BackgroundExpertServer", "ExpertBackend", "ExpertCallFailed", "ExpertClient", "ExpertError", "ExpertInfo",
-    "ExpertRequestTooLarge", "ExpertSchemaError", "ExpertServer", "FeedforwardBlock", "FoundExpert",
-    "MixtureCallReport", "NopExpert", "NotEnoughExperts", "RemoteExpert", "RemoteMixtureOfExperts", "TensorSchema",
-    "TransformerBlock", "UnknownExpert", "create_expert", "declare_experts", "default_client", "expand_pattern",
-    "expert_kinds", "find_best_experts", "get_experts", "load_experts", "make_uid", "parse_uid",
-    "register_expert_class", "save_experts", "withdraw_experts",
+    "AssignedServers", "BackgroundExpertServer", "ExpertBackend", "ExpertCallFailed", "ExpertClient", "ExpertError",
+    "ExpertInfo", "ExpertRequestTooLarge", "ExpertSchemaError", "ExpertServer", "FeedforwardBlock", "FoundExpert",
+    "MixtureCallReport", "NonFiniteValues", "NopExpert", "NotEnoughExperts", "RemoteExpert", "RemoteMixtureOfExperts",
+    "TensorSchema", "TransformerBlock", "TrustPolicy", "UnknownExpert", "create_expert", "declare_experts",
+    "default_client", "expand_pattern", "expert_kinds", "find_best_experts", "get_experts", "load_experts",
+    "make_uid", "parse_uid", "register_expert_class", "save_experts", "withdraw_experts",
 ]

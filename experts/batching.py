@@ -5,7 +5,8 @@ the pool whose oldest request has waited longest, takes whole requests from its 
 ``max_batch_size`` rows, concatenates them on the runtime thread, runs them, and splits the result
 back to each requester.  Requests that arrive while a batch runs wait for the next one, so batches
 grow with load without a fixed delay; ``batch_timeout`` > 0 additionally waits up to that long for
-a pool to fill before running it.
+a pool to fill before running it.  Requests are checked (schema, finite values) before they enter a
+pool, so one client's bad request never fails a batch it shares with others.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import NonFiniteValues
 from .runtime import Runtime
 from .schema import shape_signature
 
@@ -76,17 +78,28 @@ class TaskPool:
         return batch
 
 
-def _run_batch(process: BatchFn, inputs: list[list[torch.Tensor]], rows: list[int]) -> list[list]:
-    """On the runtime thread: concatenate the requests, run, split the outputs back by rows."""
+def _run_batch(process: BatchFn, inputs: list[list[torch.Tensor]], rows: list[int]) -> list[list | Exception]:
+    """On the runtime thread: concatenate the requests, run, split the outputs back by rows.
+
+    If a batch of several requests comes out non-finite, each request runs again on its own, so
+    only the request that caused it fails (the backend applied nothing from the failed batch)."""
     if len(inputs) == 1:
-        merged = inputs[0]
-    else:
-        merged = [torch.cat([req[i] for req in inputs]) for i in range(len(inputs[0]))]
-    outputs = process(merged)
-    if len(inputs) == 1:
-        return [list(outputs)]
+        return [list(process(inputs[0]))]
+    merged = [torch.cat([req[i] for req in inputs]) for i in range(len(inputs[0]))]
+    try:
+        outputs = process(merged)
+    except NonFiniteValues as e:
+        logger.info("a batch of %d requests failed (%s); running them one by one", len(inputs), e)
+        return [_run_alone(process, req) for req in inputs]
     parts = [o.split(rows) if o is not None else [None] * len(rows) for o in outputs]
     return [[p[j] for p in parts] for j in range(len(rows))]
+
+
+def _run_alone(process: BatchFn, inputs: list[torch.Tensor]) -> list | Exception:
+    try:
+        return list(process(inputs))
+    except Exception as e:  # this request's own failure, handed to its caller alone
+        return e
 
 
 class BatchScheduler:
@@ -168,7 +181,11 @@ class BatchScheduler:
             else:
                 pool.busy_seconds += time.perf_counter() - started
                 for r, out in zip(batch, results, strict=True):
-                    if not r.future.done():
+                    if r.future.done():
+                        continue
+                    if isinstance(out, Exception):
+                        r.future.set_exception(out)
+                    else:
                         r.future.set_result(out)
 
     async def stop(self) -> None:

@@ -6,7 +6,8 @@ dimensions); each round the ``beam_size`` best unexpanded prefixes of every row 
 deeper, and all rows share one ``get_many`` per round for the prefix records they need.  A full uid
 at the top of a row's frontier beats every bound left, so it is final: the answer is the exact
 top-k among declared experts (dead subtrees only cost extra rounds).  With scores that do not
-mislead, it takes one round per grid dimension.
+mislead, it takes one round per grid dimension.  With ``trusted_servers``, a full uid whose declared
+server the policy does not trust is left out, as if it were not declared.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dht import DHTNode
 
 from .declare import children
 from .grid import make_uid, prefix_key
+from .trust import TrustPolicy, is_trusted
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,10 @@ class _Row:
 
 
 async def find_best_experts(node: DHTNode, prefix: str, grid_scores: Sequence[np.ndarray], k: int,
-                            beam_size: int | None = None, max_rounds: int = 64) -> list[list[FoundExpert]]:
+                            beam_size: int | None = None, max_rounds: int = 64,
+                            trusted_servers: TrustPolicy | None = None) -> list[list[FoundExpert]]:
     """For each row of ``grid_scores[d]`` (shape ``[rows, grid_size[d]]``), up to ``k`` live experts,
-    best first.  Rows with fewer than ``k`` declared experts get all they have."""
+    best first.  Rows with fewer than ``k`` declared (and trusted) experts get all they have."""
     if k < 1:
         raise ValueError("k must be at least 1")
     dims = [np.asarray(s, dtype=np.float64) for s in grid_scores]
@@ -80,6 +83,9 @@ async def find_best_experts(node: DHTNode, prefix: str, grid_scores: Sequence[np
             for c, key in zip(missing, keys, strict=True):
                 item = found.get(key)
                 cache[c] = children(item.value if item is not None else None, sizes[len(c)])
+                if len(c) + 1 == depth:  # these children are full uids: keep the trusted ones
+                    cache[c] = {i: a for i, a in cache[c].items()
+                                if is_trusted(trusted_servers, make_uid(prefix, (*c, i)), a)}
         for i, expand in wanted.items():
             row = rows[i]
             for coords in expand:

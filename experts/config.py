@@ -40,6 +40,7 @@ class ExpertServerConfig(BaseModel):
     optimizer: Literal["adam", "sgd", "none"] = "adam"
     lr: float = Field(1e-3, ge=0)
     optimizer_update_period: int = Field(1, ge=1, description="backward batches per optimizer step")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip each step's gradient norm to this")
     max_batch_size: int = Field(4096, gt=0, description="rows per batch, and per request at most")
     batch_timeout: float = Field(0.0, ge=0, description="seconds a batch may wait to fill up")
     host: str = "127.0.0.1"
@@ -99,7 +100,8 @@ def build_backends(config: ExpertServerConfig) -> list[ExpertBackend]:
         torch.set_num_threads(config.num_threads)
     return [ExpertBackend.from_kind(uid, config.expert_cls, config.hidden_dim, optimizer=_optimizer(config),
                                     max_batch_size=config.max_batch_size,
-                                    update_period=config.optimizer_update_period) for uid in config.uids()]
+                                    update_period=config.optimizer_update_period, max_grad_norm=config.max_grad_norm)
+            for uid in config.uids()]
 
 
 async def start_server(config: ExpertServerConfig) -> ExpertServer:

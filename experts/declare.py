@@ -9,6 +9,8 @@ For uid ``ffn.3.7`` hosted at ADDR a server stores, in one ``store_many`` traver
 It re-declares before the expiration passes.  Withdrawing stores ``None`` with a newer expiration
 under the uid key and the last prefix subkey; readers skip ``None``.  Shallower prefix subkeys are
 shared with other experts (maybe on other servers), so they are left to expire instead.
+
+Any member may write these records, so readers that care pass ``trusted_servers`` (see ``trust.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from dht import DHTNode
 
 from .grid import make_uid, parse_uid, prefix_key
+from .trust import TrustPolicy, is_trusted
 
 
 def _records(uids: Sequence[str], value: str | None, withdraw: bool) -> list[tuple[str, int | None, str | None]]:
@@ -47,13 +50,16 @@ async def withdraw_experts(node: DHTNode, uids: Sequence[str], expiration_time: 
     return all(ok)
 
 
-async def get_experts(node: DHTNode, uids: Sequence[str], latest: bool = False) -> dict[str, str | None]:
-    """The address of each uid's server, or None where it is not declared (or withdrawn)."""
+async def get_experts(node: DHTNode, uids: Sequence[str], latest: bool = False,
+                      trusted_servers: TrustPolicy | None = None) -> dict[str, str | None]:
+    """The address of each uid's server, or None where it is not declared (or withdrawn, or declared
+    at a server that ``trusted_servers`` does not trust for it)."""
     found = await node.get_many(list(uids), latest=latest)
     out: dict[str, str | None] = {}
     for uid in uids:
         item = found.get(uid)
-        out[uid] = item.value if item is not None and isinstance(item.value, str) else None
+        address = item.value if item is not None and isinstance(item.value, str) else None
+        out[uid] = address if address is not None and is_trusted(trusted_servers, uid, address) else None
     return out
 
 

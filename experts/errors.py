@@ -25,6 +25,11 @@ class UnknownExpert(ExpertError, LookupError):
     """The server hosts no expert with that uid."""
 
 
+class NonFiniteValues(ExpertError, ValueError):
+    """Tensors sent to an expert (or computed by it) hold NaN or infinity; refused before they could
+    reach the model or its optimizer.  The message names the expert and which tensor."""
+
+
 class ExpertCallFailed(ExpertError):
     """The expert could not be reached, or did not answer in time; ``__cause__`` has the p2p error."""
 
@@ -34,7 +39,7 @@ class NotEnoughExperts(ExpertError):
 
 
 _BY_NAME: dict[str, type[ExpertError]] = {
-    cls.__name__: cls for cls in (ExpertSchemaError, ExpertRequestTooLarge, UnknownExpert)
+    cls.__name__: cls for cls in (ExpertSchemaError, ExpertRequestTooLarge, UnknownExpert, NonFiniteValues)
 }
 
 

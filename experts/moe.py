@@ -7,6 +7,9 @@ The layer waits until every row has ``k_min`` answers (or cannot get them), then
 ``timeout_after_k_min`` for the rest, and mixes the answers with a softmax over the answering
 experts' scores only.  Backward goes only to experts that answered; each row needs
 ``backward_k_min`` of them.  A dead expert costs a little quality, never a stopped training run.
+An expert that answers with NaN, infinity or the wrong shape counts as failed for that call, like a
+dead one; with ``trusted_servers``, experts declared at servers the policy does not trust are never
+chosen.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +36,8 @@ from .compression import codec_dtype
 from .errors import ExpertCallFailed, ExpertSchemaError, NotEnoughExperts
 from .grid import normalize_prefix
 from .remote import DUMMY, call_backward, call_forward, call_info
-from .schema import TensorSchema
+from .schema import TensorSchema, check_finite, describe_tensors
+from .trust import TrustPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +64,17 @@ class RemoteMixtureOfExperts(nn.Module):
     30 s); ``timeout_after_k_min`` None waits for every chosen expert.  If a row gets fewer than
     ``k_min`` answers, forward raises ``NotEnoughExperts`` -- or, with ``allow_zero_outputs``, that
     row's output is zero.  ``dht`` finds the experts; calls go through ``client`` (default: the
-    DHT's own endpoint).
+    DHT's own endpoint).  ``trusted_servers(uid, peer_id)`` (e.g. :class:`AssignedServers`), if
+    given, decides which declared servers may serve which uid; the others are treated as absent.
+    Inputs or output gradients with NaN or infinity raise ``NonFiniteValues`` before any call.
     """
 
     def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int, k_min: int = 1,
                  forward_timeout: float | None = None, timeout_after_k_min: float | None = None,
                  backward_k_min: int = 1, backward_timeout: float | None = None, *, dht: DHT,
                  client: ExpertClient | None = None, beam_size: int | None = None,
-                 allow_zero_outputs: bool = False, compression: str = "none") -> None:
+                 allow_zero_outputs: bool = False, compression: str = "none",
+                 trusted_servers: TrustPolicy | None = None) -> None:
         super().__init__()
         if not grid_size or any(int(n) < 1 for n in grid_size):
             raise ValueError(f"grid_size must be positive integers, got {grid_size!r}")
@@ -82,6 +90,7 @@ class RemoteMixtureOfExperts(nn.Module):
         self.beam_size = beam_size or k_best
         self.allow_zero_outputs = allow_zero_outputs
         self.compression = compression
+        self.trusted_servers = trusted_servers
         self.dht = dht
         self.client = client or ExpertClient.from_dht(dht)
         self.proj = nn.Linear(in_features, sum(self.grid_size))
@@ -91,13 +100,15 @@ class RemoteMixtureOfExperts(nn.Module):
     def find_experts(self, grid_scores: Sequence[np.ndarray]) -> list[list[FoundExpert]]:
         """Beam search for every row (blocking; runs on the DHT's loop)."""
         return self.dht.run_coroutine(
-            lambda node: find_best_experts(node, self.uid_prefix, grid_scores, self.k_best, self.beam_size))
+            lambda node: find_best_experts(node, self.uid_prefix, grid_scores, self.k_best, self.beam_size,
+                                           trusted_servers=self.trusted_servers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
+        check_finite(f"mixture {self.uid_prefix!r}", "input", [flat])
         grid_scores = self.proj(flat).split(self.grid_size, dim=1)
         chosen = self.find_experts([s.detach().float().cpu().numpy() for s in grid_scores])
         rows, k = flat.shape[0], max((len(c) for c in chosen), default=0)
@@ -174,9 +185,16 @@ class RemoteMixtureOfExperts(nn.Module):
     async def _forward_calls(self, x: torch.Tensor, groups: dict[Key, tuple[list[int], list[int]]]):
         p2p = self.client.p2p
         timeout = self.forward_timeout
-        calls = {key: call_forward(p2p, key[1], key[0], [x[rows]], timeout, self.compression)
-                 for key, (rows, _) in groups.items()}
+        calls = {key: self._checked_forward(p2p, key, x[rows], timeout) for key, (rows, _) in groups.items()}
         return await self._call_all(calls, {key: g[0] for key, g in groups.items()}, x.shape[0], self.k_min, timeout)
+
+    async def _checked_forward(self, p2p: Any, key: Key, x: torch.Tensor, timeout: float | None) -> list:
+        """One expert's forward; an answer that does not fit the layer's output schema is a failure."""
+        outputs = await call_forward(p2p, key[1], key[0], [x], timeout, self.compression)
+        problem = _output_problem(outputs, self.output_schema)
+        if problem:
+            raise ExpertCallFailed(f"expert {key[0]!r} at {key[1]} {problem}")
+        return outputs
 
     async def _backward_calls(self, x: torch.Tensor, grads: dict[Key, torch.Tensor],
                               groups: dict[Key, tuple[list[int], list[int]]]):
@@ -195,6 +213,29 @@ class RemoteMixtureOfExperts(nn.Module):
                 continue
             return info.outputs_schema[0]
         return None
+
+
+def _output_problem(outputs: list, schema: TensorSchema | None) -> str | None:
+    if len(outputs) != 1:
+        return f"returns {len(outputs)} tensors; a mixture needs one"
+    if schema is not None and not schema.matches(outputs[0]):
+        return f"sent {describe_tensors(outputs)}; the mixture's experts return {schema.describe()}"
+    return None
+
+
+def _agreed_outputs(results: dict[Key, Any], failures: dict[Key, BaseException],
+                    schema: TensorSchema | None) -> TensorSchema | None:
+    """Keep the answers that fit ``schema`` (if unknown: the most common output schema among them);
+    move the others to ``failures``.  Returns the schema."""
+    if schema is None:
+        seen = Counter(TensorSchema(tuple(o[0].shape[1:]), o[0].dtype) for o in results.values() if len(o) == 1)
+        schema = seen.most_common(1)[0][0] if seen else None
+    for key in list(results):
+        problem = _output_problem(results[key], schema)
+        if problem:
+            failures[key] = ExpertCallFailed(f"expert {key[0]!r} at {key[1]} {problem}")
+            del results[key]
+    return schema
 
 
 def _short(failures: dict[Key, BaseException], limit: int = 4) -> str:
@@ -219,17 +260,12 @@ class _RemoteMixtureCall(torch.autograd.Function):
                 g[1].append(j)
         x = x.detach()
         results, failures = layer.client.run(layer._forward_calls(x, groups))
+        schema = _agreed_outputs(results, failures, layer.output_schema)
         report = layer.last_call
         if report is not None:
             report.answered = {uid for uid, _ in results}
             report.failed = {uid: f"{type(e).__name__}: {e}" for (uid, _), e in failures.items()}
 
-        schema = layer.output_schema
-        for key, outputs in results.items():
-            if len(outputs) != 1:
-                raise ExpertCallFailed(f"expert {key[0]!r} returns {len(outputs)} tensors; a mixture needs one")
-            schema = TensorSchema(tuple(outputs[0].shape[1:]), outputs[0].dtype)
-            break
         if schema is None and groups:
             schema = layer.client.run(layer._fetch_output_schema(list(groups)))
         answered = torch.zeros(rows, max(k, 1), dtype=torch.bool)
@@ -266,6 +302,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
         layer: RemoteMixtureOfExperts = ctx.layer
         (x,) = ctx.saved_tensors
         groups = ctx.groups
+        check_finite(f"mixture {layer.uid_prefix!r}", "output gradient", [grad_out])
         grads = {key: grad_out[r_idx, s_idx] for key, (r_idx, s_idx) in groups.items()}
         results, failures = layer.client.run(layer._backward_calls(x, grads, groups))
         report = layer.last_call

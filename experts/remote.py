@@ -3,7 +3,9 @@
 Autograd works through it: forward sends the inputs (``expert.forward``), backward sends the inputs
 again with the output gradients (``expert.backward``) and returns the input gradients; the server
 updates the expert's parameters itself.  Every call has a deadline.  The coroutines below are also
-what ``RemoteMixtureOfExperts`` uses to call many experts at once.
+what ``RemoteMixtureOfExperts`` uses to call many experts at once.  An answer with the wrong number
+of rows, wrong gradient shapes, or NaN/infinity is the server's failure (``ExpertCallFailed``): it
+never reaches the caller's model.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .client import ExpertClient, default_client
 from .compression import codec_dtype, compress, restore
 from .errors import ExpertCallFailed, from_remote
 from .grid import parse_uid
-from .schema import TensorSchema, dtype_from_name
+from .schema import TensorSchema, count_non_finite, dtype_from_name
 from .server import BACKWARD, FORWARD, INFO
 
 # Requires grad, so autograd always calls backward and the server always learns, even when no input
@@ -67,12 +69,44 @@ def _tensors(response: Any, key: str, uid: str) -> list:
     return items
 
 
+def _check_finite_answer(uid: str, address: str, what: str, tensors: Sequence[torch.Tensor | None]) -> None:
+    for i, t in enumerate(tensors):
+        bad = 0 if t is None else count_non_finite(t)
+        if bad:
+            raise ExpertCallFailed(f"expert {uid!r} at {address} sent {bad} non-finite values in {what} {i}")
+
+
+def check_outputs(uid: str, address: str, inputs: Sequence[torch.Tensor], outputs: list) -> None:
+    """ExpertCallFailed unless every output is a finite tensor with one row per input row."""
+    rows = inputs[0].shape[0] if inputs else None
+    for i, o in enumerate(outputs):
+        if o is None or o.dim() == 0 or (rows is not None and o.shape[0] != rows):
+            got = "nothing" if o is None else f"shape {list(o.shape)}"
+            raise ExpertCallFailed(f"expert {uid!r} at {address} sent a malformed answer: output {i} has {got} "
+                                   f"for {rows} input rows")
+    _check_finite_answer(uid, address, "output", outputs)
+
+
+def check_grad_inputs(uid: str, address: str, inputs: Sequence[torch.Tensor], grads: list) -> None:
+    """ExpertCallFailed unless there is one finite gradient (or None) per input, shaped like it."""
+    if len(grads) != len(inputs):
+        raise ExpertCallFailed(f"expert {uid!r} at {address} returned {len(grads)} gradients for {len(inputs)} "
+                               f"inputs")
+    for i, (g, x) in enumerate(zip(grads, inputs, strict=True)):
+        if g is not None and g.shape != x.shape:
+            raise ExpertCallFailed(f"expert {uid!r} at {address} sent a gradient of shape {list(g.shape)} for "
+                                   f"input {i} of shape {list(x.shape)}")
+    _check_finite_answer(uid, address, "input gradient", grads)
+
+
 async def call_forward(p2p: P2P, address: str, uid: str, inputs: Sequence[torch.Tensor],
                        timeout: float | None = None, compression: str | None = None) -> list[torch.Tensor]:
     request: dict[str, Any] = {"uid": uid, "inputs": compress([t.detach() for t in inputs], compression)}
     if codec_dtype(compression) is not None:
         request["c"] = compression
-    return _tensors(await _call(p2p, address, uid, FORWARD, request, timeout), "outputs", uid)
+    outputs = _tensors(await _call(p2p, address, uid, FORWARD, request, timeout), "outputs", uid)
+    check_outputs(uid, address, inputs, outputs)
+    return outputs
 
 
 async def call_backward(p2p: P2P, address: str, uid: str, inputs: Sequence[torch.Tensor],
@@ -82,7 +116,9 @@ async def call_backward(p2p: P2P, address: str, uid: str, inputs: Sequence[torch
                                "grad_outputs": compress([g.detach() for g in grad_outputs], compression)}
     if codec_dtype(compression) is not None:
         request["c"] = compression
-    return _tensors(await _call(p2p, address, uid, BACKWARD, request, timeout), "grad_inputs", uid)
+    grads = _tensors(await _call(p2p, address, uid, BACKWARD, request, timeout), "grad_inputs", uid)
+    check_grad_inputs(uid, address, inputs, grads)
+    return grads
 
 
 async def call_info(p2p: P2P, address: str, uid: str, timeout: float | None = None) -> ExpertInfo:
@@ -99,8 +135,9 @@ class RemoteExpert(nn.Module):
     ``client`` defaults to the process's shared :func:`default_client`.  ``forward_timeout`` and
     ``backward_timeout`` bound each call (seconds); ``compression`` is ``"none"``, ``"float16"`` or
     ``"bfloat16"`` for the floats on the wire.  Errors: ``ExpertSchemaError`` (wrong inputs; names
-    the expert and its schema), ``ExpertRequestTooLarge``, ``UnknownExpert``, ``ExpertCallFailed``
-    (unreachable, died, or timed out).
+    the expert and its schema), ``ExpertRequestTooLarge``, ``UnknownExpert``, ``NonFiniteValues`` (NaN
+    or infinity in what was sent), ``ExpertCallFailed`` (unreachable, died, timed out, or answered
+    with malformed or non-finite tensors).
     """
 
     def __init__(self, uid: str, address: str, client: ExpertClient | None = None, *,
@@ -149,6 +186,4 @@ class _RemoteExpertCall(torch.autograd.Function):
         inputs = ctx.saved_tensors
         grads = expert.client.run(call_backward(expert.client.p2p, expert.address, expert.uid, inputs,
                                                 grad_outputs, expert.backward_timeout, expert.compression))
-        if len(grads) != len(inputs):
-            raise ExpertCallFailed(f"expert {expert.uid!r} returned {len(grads)} gradients for {len(inputs)} inputs")
         return (None, None, *grads)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .errors import ExpertSchemaError
+from .errors import ExpertSchemaError, NonFiniteValues
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
@@ -91,6 +91,27 @@ def check_batch(uid: str, what: str, schema: Sequence[TensorSchema], tensors: An
         raise ExpertSchemaError(f"expert {uid!r} expects {what} {describe(schema)}{same_rows}, "
                                 f"all with the same batch size; got {got}")
     return int(tensors[0].shape[0]) if tensors else 0
+
+
+def count_non_finite(t: torch.Tensor) -> int:
+    """NaN and infinite entries of a float tensor (0 for other dtypes, which cannot hold them)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return 0
+    if t.is_floating_point():  # fast path, one pass: min and max propagate NaN and show infinities
+        low, high = torch.aminmax(t.detach())
+        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+            return 0
+    return int(t.numel() - int(torch.isfinite(t).sum()))
+
+
+def check_finite(uid: str, what: str, tensors: Sequence[torch.Tensor | None]) -> None:
+    """NonFiniteValues naming the first tensor of ``tensors`` that holds NaN or infinity, e.g.
+    ``input 0 of ffn.3.7 has 12 non-finite values``: one such value poisons a whole batch and,
+    through the optimizer, every parameter."""
+    for i, t in enumerate(tensors):
+        bad = 0 if t is None else count_non_finite(t)
+        if bad:
+            raise NonFiniteValues(f"{what} {i} of {uid} has {bad} non-finite values (NaN or infinity)")
 
 
 def shape_signature(tensors: Sequence[torch.Tensor]) -> tuple:

@@ -2,10 +2,11 @@
 
 RPCs (unary): ``expert.forward`` ``{"uid", "inputs": [tensors], "c"?}`` -> ``{"outputs": [...]}``;
 ``expert.backward`` ``{"uid", "inputs", "grad_outputs", "c"?}`` -> ``{"grad_inputs": [...]}``;
-``expert.info`` ``{"uid"}`` -> schemas and limits.  Requests are checked (uid, schema, rows) on the
-event loop before they are queued, so a bad request is refused on its own and the server keeps
-serving; the torch work runs on the runtime thread.  With ``initial_peers`` (``[]`` starts a new
-DHT) the same endpoint is a DHT peer that declares every expert and re-declares before expiry.
+``expert.info`` ``{"uid"}`` -> schemas and limits.  Requests are checked (uid, schema, rows, finite
+values) on the event loop before they are queued, so a bad request is refused on its own and the
+server keeps serving; the torch work runs on the runtime thread.  With ``initial_peers`` (``[]``
+starts a new DHT) the same endpoint is a DHT peer that declares every expert and re-declares before
+expiry; it checks record signatures (``SignatureValidator``) unless ``dht_options`` names validators.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dht import DHTNode
+from dht import DHTNode, SignatureValidator
 from p2p import P2P, CallContext, Identity, Limits, PeerAddress
 from p2p.loop_thread import LoopThread
 
@@ -26,9 +27,9 @@ from .batching import BatchScheduler, TaskPool
 from .checkpoints import load_experts, save_experts
 from .compression import codec_dtype, compress, restore
 from .declare import declare_experts, withdraw_experts
-from .errors import ExpertRequestTooLarge, UnknownExpert
+from .errors import ExpertRequestTooLarge, NonFiniteValues, UnknownExpert
 from .runtime import Runtime
-from .schema import dtype_name
+from .schema import check_finite, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class ExpertServer:
         server = None
         try:
             if initial_peers is not None:
-                dht = await DHTNode.create(initial_peers, p2p=p2p, **(dht_options or {}))
+                options = {"validators": [SignatureValidator(p2p.identity)], **(dht_options or {})}
+                dht = await DHTNode.create(initial_peers, p2p=p2p, **options)
             server = cls(p2p, backends, dht, batch_timeout=batch_timeout, update_period=update_period,
                          expiration=expiration, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_period=checkpoint_period, announce_host=announce_host)
@@ -138,6 +140,15 @@ class ExpertServer:
             raise ExpertRequestTooLarge(f"expert {backend.uid!r} accepts at most {backend.max_batch_size} rows "
                                         f"per request, got {rows}")
 
+    @staticmethod
+    def _check_finite(backend: ExpertBackend, ctx: CallContext, what: str, tensors: list) -> None:
+        """Refuse NaN and infinity before the request can join a batch shared with other callers."""
+        try:
+            check_finite(backend.uid, what, tensors)
+        except NonFiniteValues as e:
+            logger.info("refused %s from %s: %s", ctx.method, ctx.peer_id, e)
+            raise
+
     async def rpc_forward(self, request: Any, ctx: CallContext) -> dict:
         backend = self._backend(request)
         codec = self._codec(request)
@@ -146,6 +157,7 @@ class ExpertServer:
             inputs = restore(inputs, [s.dtype for s in backend.args_schema])
         rows = backend.check_inputs(inputs)
         self._limit(backend, rows)
+        self._check_finite(backend, ctx, "input", inputs)
         outputs = await self.scheduler.submit(self._forward_pools[backend.uid], inputs, rows)
         if codec is None:
             return {"outputs": outputs}
@@ -161,6 +173,8 @@ class ExpertServer:
         rows = backend.check_inputs(inputs)
         backend.check_grad_outputs(grads, rows)
         self._limit(backend, rows)
+        self._check_finite(backend, ctx, "input", inputs)
+        self._check_finite(backend, ctx, "grad_output", grads)
         grad_inputs = await self.scheduler.submit(self._backward_pools[backend.uid], [*inputs, *grads], rows)
         if codec is None:
             return {"grad_inputs": grad_inputs}
@@ -236,7 +250,8 @@ class ExpertServer:
                       "busy_seconds": self._forward_pools[uid].busy_seconds
                       + self._backward_pools[uid].busy_seconds,
                       "samples_forward": b.samples_forward, "samples_backward": b.samples_backward,
-                      "optimizer_steps": b.optimizer_steps} for uid, b in self.backends.items()}
+                      "optimizer_steps": b.optimizer_steps, "skipped_steps": b.skipped_steps}
+                for uid, b in self.backends.items()}
 
 
 def _backward_fn(backend: ExpertBackend):
@@ -251,10 +266,11 @@ class BackgroundExpertServer:
     """An ExpertServer on its own event-loop thread, for code that is not async (scripts, tests)."""
 
     def __init__(self, experts: Mapping[str, ExpertBackend] | Sequence[ExpertBackend],
-                 startup_timeout: float = 60.0, **options: Any) -> None:
+                 startup_timeout: float = 60.0, server_cls: type[ExpertServer] = ExpertServer,
+                 **options: Any) -> None:
         self._thread = LoopThread(name="spotswarm-experts")
         try:
-            self.server: ExpertServer = self._thread.run(ExpertServer.create(experts, **options), startup_timeout)
+            self.server: ExpertServer = self._thread.run(server_cls.create(experts, **options), startup_timeout)
         except BaseException:
             self._thread.stop()
             raise

@@ -21,9 +21,9 @@ import yaml
 # Flags whose value maps to a config field of the same name (dashes become underscores).
 CONFIG_FLAGS = (
     "expert_cls", "hidden_dim", "expert_uids", "expert_pattern", "custom_module", "optimizer", "lr",
-    "optimizer_update_period", "max_batch_size", "batch_timeout", "host", "port", "announce_host", "initial_peers",
-    "no_dht", "identity", "update_period", "expiration", "checkpoint_dir", "checkpoint_period", "max_message_mib",
-    "seed", "num_threads",
+    "optimizer_update_period", "max_grad_norm", "max_batch_size", "batch_timeout", "host", "port", "announce_host",
+    "initial_peers", "no_dht", "identity", "update_period", "expiration", "checkpoint_dir", "checkpoint_period",
+    "max_message_mib", "seed", "num_threads",
 )
 
 

@@ -76,3 +76,40 @@ def ray_session(request):
             time.sleep(1)  # a retry after a failed start, not synchronization
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def dht_boot():
+    """A DHT peer to join (experts' and the attack suite's tests)."""
+    from dht import DHT
+
+    boot = DHT()
+    yield boot
+    boot.shutdown()
+
+
+@pytest.fixture
+def client_dht(dht_boot):
+    from dht import DHT
+
+    d = DHT(initial_peers=dht_boot.addresses, client_mode=True)
+    yield d
+    d.shutdown()
+
+
+@pytest.fixture
+def start_server(dht_boot):
+    """``start_server(backends, **options)``: a server joined to ``dht_boot``'s DHT."""
+    from experts import BackgroundExpertServer
+
+    servers: list = []
+
+    def factory(backends, **options) -> BackgroundExpertServer:
+        options.setdefault("initial_peers", dht_boot.addresses)
+        server = BackgroundExpertServer(backends, **options)
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in reversed(servers):
+        server.shutdown()

@@ -15,41 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dht import DHT
-from experts import BackgroundExpertServer
-
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def dht_boot():
-    boot = DHT()
-    yield boot
-    boot.shutdown()
-
-
-@pytest.fixture
-def client_dht(dht_boot):
-    d = DHT(initial_peers=dht_boot.addresses, client_mode=True)
-    yield d
-    d.shutdown()
-
-
-@pytest.fixture
-def start_server(dht_boot):
-    """``start_server(backends, **options)``: a server joined to ``dht_boot``'s DHT."""
-    servers: list[BackgroundExpertServer] = []
-
-    def factory(backends, **options) -> BackgroundExpertServer:
-        options.setdefault("initial_peers", dht_boot.addresses)
-        server = BackgroundExpertServer(backends, **options)
-        servers.append(server)
-        return server
-
-    yield factory
-    for server in reversed(servers):
-        server.shutdown()
 
 
 class ServerProcess:
