@@ -155,9 +155,13 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _dht(args: argparse.Namespace) -> int:
-    from .dht_peer import run_dht_peer
+    from .dht_peer import RUN_NAME, run_dht_peer
 
-    return run_dht_peer(host=args.host, port=args.port, initial_peers=args.initial_peers, identity_path=args.identity)
+    if args.run is not None and not RUN_NAME.fullmatch(args.run):
+        print(f"spotswarm dht: --run {args.run!r}: a run name has only letters, digits, '_' and '-'", file=sys.stderr)
+        return 2
+    return run_dht_peer(host=args.host, port=args.port, initial_peers=args.initial_peers, identity_path=args.identity,
+                        run=args.run, membership_token=args.membership_token)
 
 
 def _expert_server(args: argparse.Namespace) -> int:
@@ -172,7 +176,7 @@ def _worker(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("run", "task", "mode", "initial_peers", "host", "port", "client_mode",
                                                 "identity_path", "target_batch_size", "max_epochs", "max_seconds",
                                                 "seed", "report_file", "compression", "min_peers", "moshpit_grid",
-                                                "group_size", "averaging_period")}
+                                                "group_size", "averaging_period", "membership_token")}
     return run_worker(args.config, overrides)
 
 
@@ -238,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     dht.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
                      help="peers to join through, as host:port or peerid@host:port")
     dht.add_argument("--identity", metavar="PATH", help="private key file; created if missing, keeps the peer id")
+    dht.add_argument("--run", metavar="RUN",
+                     help="refuse records that break run RUN's key rules (owner signatures are always checked)")
+    dht.add_argument("--membership-token", metavar="TOKEN",
+                     help="be a member of the token's run (spotswarm token issue; needs --identity with its key)")
     dht.set_defaults(func=_dht)
     es = sub.add_parser("expert-server", help="host experts for decentralized mixture-of-experts layers",
                         description="Settings come from --config (YAML, keys as the flags with underscores); "
@@ -251,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--optimizer", choices=["adam", "sgd", "none"], help="each expert's optimizer (default adam)")
     es.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
     es.add_argument("--optimizer-update-period", type=int, help="backward batches per optimizer step (default 1)")
+    es.add_argument("--max-grad-norm", type=float, help="clip each optimizer step's gradient norm (default: no clip)")
     es.add_argument("--max-batch-size", type=int, help="rows per batch and per request (default 4096)")
     es.add_argument("--batch-timeout", type=float, help="seconds a batch may wait to fill up (default 0)")
     es.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -279,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--port", type=int, help="port to listen on (default: any free port)")
     wk.add_argument("--client-mode", action="store_true", default=None, help="accept no connections (behind NAT)")
     wk.add_argument("--identity", dest="identity_path", metavar="PATH", help="private key file (keeps the peer id)")
+    wk.add_argument("--membership-token", metavar="TOKEN",
+                    help="the run's certificate for this peer's identity (spotswarm token issue)")
     wk.add_argument("--target-batch-size", type=int, help="global batch per optimizer step (collaborative)")
     wk.add_argument("--compression", choices=["none", "fp16", "uniform8", "blockwise8"], help="gradient codec")
     wk.add_argument("--max-epochs", type=int, help="stop after this many global epochs")
@@ -290,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--group-size", type=int, help="largest averaging group (default 16)")
     wk.add_argument("--averaging-period", type=int, help="local steps between Moshpit averaging rounds")
     wk.set_defaults(func=_worker)
+    from . import token_cli  # argparse only: its work imports lazily like the rest
+
+    token_cli.add_parser(sub)
     return parser
 
 

@@ -315,6 +315,14 @@ class NetworkConfig(_Strict):
         return value
 
 
+class MembershipConfig(_Strict):
+    """Who takes part: with ``enabled``, every peer presents a certificate signed by the run's
+    authority key at each connection, and peers without one are refused."""
+
+    enabled: bool = True
+    ttl_s: float = pydantic.Field(3600.0, ge=10)  # a certificate's lifetime; renewed when half of it is left
+
+
 class ClusterConfig(_Strict):
     cluster_name: str = pydantic.Field(pattern=r"^[A-Za-z0-9_-]+$")
     runs_dir: str = "runs"
@@ -328,6 +336,7 @@ class ClusterConfig(_Strict):
     dashboard: DashboardConfig = DashboardConfig()
     ray: RayConfig = RayConfig()
     network: NetworkConfig = NetworkConfig()
+    membership: MembershipConfig = MembershipConfig()
 
     @pydantic.model_validator(mode="after")
     def _node_types(self) -> ClusterConfig:

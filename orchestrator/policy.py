@@ -35,6 +35,13 @@ from .run_store import InstanceRecord, RunStore, summarize_costs
 logger = logging.getLogger(__name__)
 
 
+def _certifier_for(workers: Any, instance_id: str) -> Callable[[str], str | None] | None:
+    """The token hook of a worker the provider starts itself; None when membership is off."""
+    if getattr(workers, "certifier", None) is None:
+        return None
+    return lambda peer_id: workers.certify(instance_id, peer_id)
+
+
 class WorkerControl(Protocol):
     """How the policy reaches the training peer on an instance (Ray actors in the supervisor)."""
 
@@ -54,7 +61,8 @@ class WorkerControl(Protocol):
         """The running worker's ``peer_id`` and ``address``, or None (adoption after a restart)."""
 
     # optional: ``poll_notices(instance_ids) -> list[PreemptionNotice]``, the notices the instances' own
-    # watchers saw (wall-clock times, source "instance"); never blocks
+    # watchers saw (wall-clock times, source "instance"); never blocks; ``certify(instance_id, peer_id)
+    # -> token | None``, the membership token of a worker a provider starts itself
 
 
 @dataclass
@@ -441,7 +449,8 @@ class FleetPolicy:
                               tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
                                     NODE_TYPE_TAG: p.node_type},
                               node_config=dict(node_type.node_config), resources=dict(node_type.resources),
-                              sequence=index, worker_args=self.worker_args())
+                              sequence=index, worker_args=self.worker_args(),
+                              certify=_certifier_for(self.workers, instance_id))
             spec.boot_script = self.boot_script(spec)
             # once: cloud providers retry transient errors themselves, and a failure backs off
             self._submit("launch", spec, self.provider.launch, spec, detail=spec)

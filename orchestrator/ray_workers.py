@@ -38,6 +38,9 @@ class WorkerActor:
     """One training peer, training in a thread of this actor's process."""
 
     def __init__(self) -> None:
+        from p2p import Identity
+
+        self.identity = Identity()  # made here, so the run's certificate can name it before training starts
         self.peer: Any = None
         self.thread: threading.Thread | None = None
         self.left = threading.Event()
@@ -54,7 +57,7 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args = dict(worker_args)
         args["announce_host"] = announce_host(args.get("host", "127.0.0.1"), args.get("announce_host"))
-        self.peer = TrainingPeer(WorkerConfig(**args))
+        self.peer = TrainingPeer(WorkerConfig(**args), identity=self.identity)
         self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
         self.thread.start()
         if watch is not None:
@@ -63,6 +66,14 @@ class WorkerActor:
             self.watcher = start_watcher(watch, self._on_instance_notice)
         return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address,
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+    def peer_id(self) -> str:
+        return str(self.identity.peer_id)
+
+    def renew(self, token: str) -> None:
+        """A fresh membership certificate from the supervisor, before the current one expires."""
+        if self.peer is not None and not self.left.is_set():
+            self.peer.renew_membership(token)
 
     def notice(self, deadline_s: float) -> None:
         """A preemption notice: keep training through most of it, then leave gracefully in the
@@ -116,8 +127,10 @@ def spawn_worker(instance_id: str, resources: dict[str, float], detached: bool) 
 class RayWorkers:
     """The policy's ``WorkerControl`` over Ray actors."""
 
-    def __init__(self, boot_timeout: float = 600.0, watch: dict | None = None, check_every_s: float = 1.0) -> None:
+    def __init__(self, boot_timeout: float = 600.0, watch: dict | None = None, check_every_s: float = 1.0,
+                 certifier: Any = None) -> None:
         self.boot_timeout = boot_timeout  # a cloud machine may take minutes to boot and join
+        self.certifier = certifier  # the run's authority.Certifier; None: membership off
         self.watch = watch  # instances watch their own metadata for notices (clouds)
         self.check_every_s = check_every_s
         self._left_checks: dict[str, Any] = {}
@@ -139,13 +152,33 @@ class RayWorkers:
         """Start the worker on the instance's own node; blocks until the node joined and it runs."""
         actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True)
         try:
-            info = ray.get(actor.start.remote(worker_args, self.watch), timeout=self.boot_timeout)
+            if self.certifier is not None:
+                started = time.monotonic()
+                peer_id = ray.get(actor.peer_id.remote(), timeout=self.boot_timeout)
+                worker_args = {**worker_args, "membership_token": self.certify(instance.id, peer_id)}
+                timeout = max(self.boot_timeout - (time.monotonic() - started), 1.0)
+            else:
+                timeout = self.boot_timeout
+            info = ray.get(actor.start.remote(worker_args, self.watch), timeout=timeout)
         except BaseException:
             ray.kill(actor)  # a detached actor outlives us: never leave one waiting for a node that is gone
             raise
         self._handles[instance.id] = actor
         logger.info("worker of %s runs on node %s as %s", instance.id, info["node_id"][:12], info["address"])
         return info["peer_id"]
+
+    def certify(self, instance_id: str, peer_id: str) -> str | None:
+        """The membership token for the worker of ``instance_id`` (None: membership is off)."""
+        if self.certifier is None:
+            return None
+        return self.certifier.issue(instance_id, peer_id).to_token()
+
+    def renew(self, instance_id: str, token: str) -> None:
+        """Hand a worker its renewed certificate (never waits)."""
+        try:
+            self._handle(instance_id).renew.remote(token)
+        except ValueError:
+            logger.debug("no worker on %s to renew", instance_id)
 
     def notify(self, instance: Instance, deadline_s: float) -> None:
         try:
@@ -215,4 +248,6 @@ class RayWorkers:
         except Exception:
             self._handles.pop(instance.id, None)
             return None
+        if status["peer_id"] and self.certifier is not None:
+            self.certifier.know(instance.id, status["peer_id"])  # an adopted worker: renewed on the next tick
         return status if status["peer_id"] else None

@@ -24,8 +24,10 @@ import torch
 from dht import DHT, SignatureValidator
 from p2p import Identity
 from workers.progress import ProgressTracker
+from workers.run_keys import run_validators
 from workers.state import StateSharer, StateUnavailable
 
+from .authority import Certifier, run_authority
 from .bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from .config import ClusterConfig
 from .durable import BackgroundArchiver, RunArchive
@@ -72,6 +74,7 @@ class SupervisorCore:
         archive = RunArchive.for_config(config)  # checkpoint.uri: the run outlives its head machine
         self.archiver = BackgroundArchiver(archive, self.store.dir) if archive else None
         identity = Identity.from_file(self.store.dir / "head.key")
+        self.certifier = self._certifier()
         self.dht = self._start_dht(identity)
         signer = SignatureValidator(identity)
         self.tracker = self.dht.run_coroutine(lambda n: _make(ProgressTracker, n, config.cluster_name,
@@ -101,9 +104,18 @@ class SupervisorCore:
                                                      "clock": {
             "scale": self.clock.scale, "wall0": self.clock.wall0, "origin": self.clock.origin}})
 
+    def _certifier(self) -> Certifier | None:
+        """The run's authority (kept in the run directory, so a resumed run keeps it), or None when
+        membership is off and anyone who can reach a peer takes part."""
+        settings = self.config.membership
+        if not settings.enabled:
+            return None
+        return Certifier(run_authority(self.store.dir, self.config.cluster_name), settings.ttl_s)
+
     def _worker_control(self) -> RayWorkers:
         """Cloud machines watch their own metadata for notices; the local simulator tells its workers."""
-        return RayWorkers(watch=instance_watch(self.config.provider.type, self.config.spot.notice_period_s))
+        return RayWorkers(watch=instance_watch(self.config.provider.type, self.config.spot.notice_period_s),
+                          certifier=self.certifier)
 
     def _head_changed(self) -> bool:
         """Whether the run's previous supervisor ran on another Ray cluster (the old head is gone, and
@@ -118,8 +130,11 @@ class SupervisorCore:
         listen = self.config.listen_host()
         port_file = self.store.dir / "head.port"
         port = int(port_file.read_text()) if port_file.exists() else 0
-        options = dict(identity=identity, validators=[SignatureValidator(identity)], host=listen,
-                       announce_host=announce_host(listen, self.config.network.announce_host))
+        membership = self.certifier.membership("supervisor", identity.peer_id, ("supervisor",)) \
+            if self.certifier else None
+        options = dict(identity=identity, validators=run_validators(self.config.cluster_name, identity), host=listen,
+                       announce_host=announce_host(listen, self.config.network.announce_host),
+                       p2p_options={"membership": membership})
         try:
             dht = DHT([], port=port, **options)
         except OSError as e:
@@ -239,9 +254,23 @@ class SupervisorCore:
     def tick(self) -> None:
         now = self.clock()
         self.policy.tick()
+        self._renew_certificates()
         self._record_progress()
         self._maybe_checkpoint(now)
         self._refresh_advert(now)
+
+    def _renew_certificates(self) -> None:
+        """Members' certificates with half their lifetime left get fresh ones (never waits on a worker)."""
+        if self.certifier is None:
+            return
+        for holder in self.certifier.holders():
+            if holder != "supervisor" and holder not in self.policy.live:
+                self.certifier.forget(holder)
+        for holder, cert in self.certifier.renew_due():
+            if holder == "supervisor":
+                self.dht.run_coroutine(lambda n, c=cert: _renew(n, c))
+            else:
+                self.policy.workers.renew(holder, cert.to_token())
 
     # ---- progress and checkpoints --------------------------------------------------------------
     def _record_progress(self) -> None:
@@ -352,6 +381,10 @@ def _ray_node() -> dict:
 
 async def _make(cls: Any, *args: Any) -> Any:
     return cls(*args)
+
+
+async def _renew(node: Any, cert: Any) -> None:
+    node.p2p.renew_certificate(cert)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -19,11 +19,13 @@ from typing import Literal
 import pydantic
 import torch
 
-from dht import DHT, SignatureValidator
+from dht import DHT
 from p2p import Identity
+from p2p.membership import Certificate, Membership
 
 from .collaborative import CollaborativeOptimizer
 from .moshpit_sgd import MoshpitSGD
+from .run_keys import run_validators
 from .task import load_task
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,12 @@ class WorkerConfig(pydantic.BaseModel):
     min_peers_timeout: float = pydantic.Field(120.0, gt=0)
     report_file: str | None = None
     param_digests: bool = False  # keep a digest of the parameters per epoch in ``history`` (hashes them all)
+    # the run's certificate for this peer (``spotswarm token issue``): with it, only members take part
+    membership_token: str | None = None
+
+
+async def _renew(node: object, cert: Certificate) -> None:
+    node.p2p.renew_certificate(cert)  # type: ignore[attr-defined]
 
 
 def params_digest(params: list[torch.Tensor]) -> str:
@@ -64,17 +72,36 @@ def params_digest(params: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def run_membership(config: WorkerConfig, identity: Identity) -> Membership | None:
+    """The peer's membership of its run, from its token; a token for another run or another peer is
+    a clear error here rather than a refusal by every peer later."""
+    if not config.membership_token:
+        return None
+    try:
+        cert = Certificate.from_token(config.membership_token)
+    except ValueError as e:
+        raise ValueError(f"membership_token: {e}") from None
+    if cert.run != config.run:
+        raise ValueError(f"membership_token: issued for run {cert.run!r}, this worker is in run {config.run!r}")
+    if cert.peer_id != identity.peer_id:
+        raise ValueError(f"membership_token: issued for peer {cert.peer_id}, this worker is {identity.peer_id} "
+                         "(start it with the identity file the token was issued for)")
+    return Membership(config.run, cert.authority, cert)
+
+
 class TrainingPeer:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, identity: Identity | None = None) -> None:
         self.config = config
         self.task = load_task(config.task)
         self.model = self.task.model(seed=0)
         optimizer = self.task.make_optimizer(self.model.parameters())
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
-        identity = Identity.from_file(config.identity_path) if config.identity_path else Identity()
+        if identity is None:
+            identity = Identity.from_file(config.identity_path) if config.identity_path else Identity()
+        membership = run_membership(config, identity)
         self.dht = DHT(config.initial_peers, host=config.host, port=config.port, client_mode=config.client_mode,
                        announce_host=config.announce_host, identity=identity,
-                       validators=[SignatureValidator(identity)])
+                       validators=run_validators(config.run, identity), p2p_options={"membership": membership})
         self.optimizer: CollaborativeOptimizer | MoshpitSGD
         if config.mode == "collaborative":
             self.optimizer = CollaborativeOptimizer(
@@ -134,6 +161,12 @@ class TrainingPeer:
                         break  # another epoch would not fit before we must go: leave between rounds
         finally:
             self._stopped.set()
+
+    def renew_membership(self, token: str) -> None:
+        """Take a renewed certificate (before the current one expires): new and open connections
+        present it from now on."""
+        cert = Certificate.from_token(token)
+        self.dht.run_coroutine(lambda node: _renew(node, cert))
 
     def _wait_for_peers(self) -> None:
         """Start together: a lone first peer would otherwise race through epochs on its own."""

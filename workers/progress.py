@@ -3,7 +3,7 @@
 Each peer publishes ``{epoch, samples, samples_per_second, time, client_mode}`` as a signed subkey
 of ``<run>.progress``; everyone reads all of them.  The global epoch is the largest any live peer
 reports; the samples accumulated toward it are summed over the peers at that epoch, extrapolated
-by their throughput since they reported.
+by their throughput since they reported, each peer's share capped at the global batch.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ProgressTracker:
         epoch = max(p.epoch for p in peers.values())
         current = [p for p in peers.values() if p.epoch == epoch]
         now = time.time()
-        samples = sum(p.samples + p.samples_per_second * max(now - p.time, 0.0) for p in current)
+        samples = sum(min(p.samples + p.samples_per_second * max(now - p.time, 0.0), self.target) for p in current)
         rate = sum(p.samples_per_second for p in current)
         eta = 0.0 if samples >= self.target else ((self.target - samples) / rate if rate > 0 else float("inf"))
         # a peer behind is about to load state and join (or its record is a few milliseconds stale):

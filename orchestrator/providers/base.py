@@ -43,6 +43,8 @@ class LaunchSpec:
     sequence: int = 0  # the run's launch number (0, 1, ...): a replayed trace's row for this instance
     boot_script: str | None = None  # what the machine runs at boot: joins the run's Ray cluster
     worker_args: dict[str, Any] = field(default_factory=dict)  # for providers that host the worker themselves
+    # for those providers too: the run's membership token for the worker's peer id (None: membership off)
+    certify: Callable[[str], str | None] | None = None
 
 
 @dataclass

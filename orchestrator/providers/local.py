@@ -100,6 +100,7 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.instances: dict[str, Instance] = {}
         self.pids: dict[str, int] = {}
         self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
+        self.identifying: dict[str, tuple[Any, LaunchSpec]] = {}  # -> (ObjectRef of its peer id, spec)
         self.failed: set[str] = set()
 
     def launch(self, spec: LaunchSpec) -> Instance:
@@ -107,8 +108,12 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
 
         # owned by the supervisor, not detached: the simulated machine goes down with its simulator
         actor = spawn_worker(spec.instance_id, {}, detached=False)
-        # returns at once (billing starts now, as on a cloud); the worker boots in the background
-        self.starting[spec.instance_id] = actor.start.remote(spec.worker_args)
+        # returns at once (billing starts now, as on a cloud); the worker boots in the background, once
+        # its certificate (issued for the peer id the actor made) is there when membership is on
+        if spec.certify is None:
+            self.starting[spec.instance_id] = actor.start.remote(spec.worker_args)
+        else:
+            self.identifying[spec.instance_id] = (actor.peer_id.remote(), spec)
         now = self.clock()
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
                         self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags),
@@ -117,7 +122,29 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.schedule(spec, now)
         return inst
 
+    def _collect_identified(self) -> None:
+        """Workers whose actor made its identity: certify it and start training."""
+        if not self.identifying:
+            return
+        refs = {ref: instance_id for instance_id, (ref, _) in self.identifying.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            instance_id = refs[ref]
+            _, spec = self.identifying.pop(instance_id)
+            inst = self.instances.get(instance_id)
+            try:
+                peer_id = ray.get(ref)
+                assert spec.certify is not None
+                args = {**spec.worker_args, "membership_token": spec.certify(peer_id)}
+            except Exception as e:
+                logger.warning("instance %s failed to start: %s", instance_id, e)
+                self.failed.add(instance_id)
+                continue
+            if inst is not None:
+                self.starting[instance_id] = inst.handle.start.remote(args)
+
     def _collect_started(self) -> None:
+        self._collect_identified()
         if not self.starting:
             return
         refs = {ref: instance_id for instance_id, ref in self.starting.items()}
@@ -154,11 +181,13 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         if self.instances.pop(instance.id, None) is None:
             return
         self.starting.pop(instance.id, None)
+        self.identifying.pop(instance.id, None)
         ray.kill(instance.handle)
 
     def _sigkill(self, instance_id: str) -> None:
         inst = self.instances.pop(instance_id, None)
         self.starting.pop(instance_id, None)
+        self.identifying.pop(instance_id, None)
         pid = self.pids.get(instance_id)
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)  # a real preemption: no atexit, no goodbye
