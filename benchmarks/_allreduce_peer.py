@@ -130,6 +130,20 @@ class MemoryWatch:
 WATCH: MemoryWatch | None = None
 
 
+def _membership(args: argparse.Namespace) -> tuple:
+    """--membership-authority: this peer certifies itself with the run's authority key (a benchmark
+    shortcut: a real member receives its certificate from whoever holds the key)."""
+    if not args.membership_authority:
+        return None, None
+    from p2p import Identity
+    from p2p.membership import Authority, Membership
+
+    identity = Identity()
+    authority = Authority.from_file(args.membership_authority, args.membership_run, create=False)
+    cert = authority.issue(identity.peer_id, 3600)
+    return identity, Membership(authority.run, authority.public_key, cert)
+
+
 async def main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
 
@@ -149,7 +163,9 @@ async def main(args: argparse.Namespace) -> None:
     if cmd[0] != "init":
         return
     initial = [] if len(cmd) < 2 or cmd[1] == "-" else [cmd[1]]
-    node = await DHTNode.create(initial, host=args.host, client_mode=args.client_mode)
+    identity, membership = _membership(args)
+    node = await DHTNode.create(initial, host=args.host, client_mode=args.client_mode, identity=identity,
+                                p2p_options={"membership": membership} if membership else None)
     if WATCH is not None:
         WATCH.node = node
     emit({"ready": True, "addr": str(node.address) if node.address is not None else None})
@@ -199,6 +215,8 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--membership-authority", metavar="PATH", help="run membership on, with this authority key")
+    parser.add_argument("--membership-run", default="bench", help="the run the certificates name")
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--client-mode", action="store_true")

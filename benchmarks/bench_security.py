@@ -1,0 +1,338 @@
+"""Security benchmark: what run membership costs on the hot paths, and what hostile connections cost a node.
+
+Measured side by side in one run, membership on against membership off:
+
+* empty RPC round trip (a child process serves an open node and a member node; this process calls both,
+  in alternating batches);
+* DHT get (two swarms in this process, one open, one of members; gets that traverse the swarm);
+* all-reduce of 4 x 10M float32 (``--quick``: 4 x 1M), two sets of peer processes, alternating rounds.
+
+Then strangers: a member DHT node in its own process takes 10,000 hostile TCP connections (silent,
+garbage, huge declared headers, half handshakes) from ``tests/security/hostile_client.py`` in another
+process; the figure is the node's resident memory growth (peak minus before), and whether it still
+answers a member afterwards.
+
+    python benchmarks/bench_security.py [--quick]
+
+Every child has a time limit; past it the benchmark says so and prints the rest.  Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import psutil  # noqa: E402
+import uvloop  # noqa: E402
+
+from p2p import P2P, Identity  # noqa: E402
+from p2p.membership import Authority, Membership  # noqa: E402
+
+HOSTILE = os.path.join(ROOT, "tests", "security", "hostile_client.py")
+RUN = "bench"
+CHILD_LIMIT_S = 120.0
+
+
+def member(authority: Authority, identity: Identity) -> Membership:
+    return Membership(authority.run, authority.public_key, authority.issue(identity.peer_id, 3600))
+
+
+# ---- serving side (child process) --------------------------------------------------------------------
+async def _serve(authority_path: str, with_dht: bool) -> None:
+    """An open node and a member node answering "empty"; with ``with_dht`` a member DHT node instead."""
+    from dht import DHTNode
+
+    authority = Authority.from_file(authority_path, RUN, create=False)
+    identity = Identity()
+    nodes: list = []
+    if with_dht:
+        node = await DHTNode.create([], identity=identity, p2p_options={"membership": member(authority, identity)})
+        nodes.append(node)
+        addrs = [str(node.address)]
+    else:
+        open_node = await P2P.create("127.0.0.1", 0)
+        member_node = await P2P.create("127.0.0.1", 0, identity=identity, membership=member(authority, identity))
+        for n in (open_node, member_node):
+            n.register("empty", _empty)
+        nodes += [open_node, member_node]
+        addrs = [str(open_node.address), str(member_node.address)]
+    print(json.dumps({"addrs": addrs, "pid": os.getpid()}), flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)  # the parent closes stdin: done
+    await stop.wait()
+    for n in nodes:
+        await n.shutdown()
+
+
+async def _empty(request, ctx):
+    return None
+
+
+class Server:
+    """A ``--serve`` child with a deadline on everything it is asked."""
+
+    def __init__(self, authority_path: str, with_dht: bool = False) -> None:
+        argv = [sys.executable, os.path.abspath(__file__), "--serve", authority_path] + (["--dht"] if with_dht else [])
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.info = self._first_line(60.0)
+
+    def _first_line(self, timeout: float) -> dict:
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not out or not out[0]:
+            self.close()
+            raise TimeoutError(f"the serving child did not start within {timeout:.0f} s")
+        return json.loads(out[0])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---- RTT ---------------------------------------------------------------------------------------------
+async def _rtt(addrs: list[str], authority: Authority, calls: int, batches: int) -> dict:
+    identity = Identity()
+    open_client = await P2P.create(client_mode=True)
+    member_client = await P2P.create(client_mode=True, identity=identity, membership=member(authority, identity))
+    pairs = {"off": (open_client, addrs[0]), "on": (member_client, addrs[1])}
+    lat: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for client, addr in pairs.values():
+            for _ in range(300):  # warm up: connection, handshake, allocator
+                await client.call(addr, "empty")
+        for _ in range(batches):
+            for mode, (client, addr) in pairs.items():
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    await client.call(addr, "empty")
+                    lat[mode].append(time.perf_counter() - t0)
+    finally:
+        await open_client.shutdown()
+        await member_client.shutdown()
+    p50 = {m: statistics.median(v) * 1e6 for m, v in lat.items()}
+    return {"rtt_off_us": p50["off"], "rtt_on_us": p50["on"], "membership_rtt_ratio": p50["on"] / p50["off"]}
+
+
+def measure_rtt(authority_path: str, authority: Authority, quick: bool) -> dict:
+    server = Server(authority_path)
+    try:
+        return uvloop.run(asyncio.wait_for(_rtt(server.info["addrs"], authority, 500 if quick else 2000,
+                                                6 if quick else 10), CHILD_LIMIT_S))
+    finally:
+        server.close()
+
+
+# ---- DHT get -----------------------------------------------------------------------------------------
+async def _swarm(n: int, authority: Authority | None) -> list:
+    from dht import DHTNode
+
+    nodes = []
+    for _ in range(n):
+        identity = Identity()
+        options = {"membership": member(authority, identity)} if authority else None
+        initial = [nodes[0].address] if nodes else []
+        nodes.append(await DHTNode.create(initial, identity=identity, p2p_options=options))
+    return nodes
+
+
+async def _dht_get(authority: Authority, n: int, keys: int, rounds: int) -> dict:
+    swarms = {"off": await _swarm(n, None), "on": await _swarm(n, authority)}
+    lat: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        expiration = time.time() + 600
+        for nodes in swarms.values():
+            for k in range(keys):
+                assert await nodes[k % n].store(f"key{k}", k, expiration), "a store failed"
+        for _ in range(rounds):
+            for mode, nodes in swarms.items():
+                for k in range(keys):
+                    reader = nodes[(k + 1) % n]
+                    t0 = time.perf_counter()
+                    found = await reader.get(f"key{k}", latest=True)
+                    lat[mode].append(time.perf_counter() - t0)
+                    assert found is not None and found.value == k, f"key{k} not found ({mode})"
+    finally:
+        for nodes in swarms.values():
+            for node in nodes:
+                await node.shutdown()
+    p50 = {m: statistics.median(v) * 1e3 for m, v in lat.items()}
+    return {"dht_get_off_ms": p50["off"], "dht_get_on_ms": p50["on"],
+            "membership_dht_get_ratio": p50["on"] / p50["off"]}
+
+
+def measure_dht(authority: Authority, quick: bool) -> dict:
+    return uvloop.run(asyncio.wait_for(_dht_get(authority, 6 if quick else 10, 20 if quick else 40,
+                                                5 if quick else 10), CHILD_LIMIT_S))
+
+
+# ---- all-reduce --------------------------------------------------------------------------------------
+def measure_allreduce(authority_path: str, quick: bool) -> dict:
+    from bench_allreduce import PeerFailed, PeerSet
+
+    size = 1_000_000 if quick else 10_000_000
+    rounds, reps = (2, 2) if quick else (3, 3)
+    sets: dict[str, PeerSet] = {}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    errors: list[str] = []
+    try:
+        sets["off"] = PeerSet("ours", 4, size, round_timeout=CHILD_LIMIT_S)
+        sets["on"] = PeerSet("ours", 4, size, round_timeout=CHILD_LIMIT_S,
+                             extra_args=["--membership-authority", authority_path, "--membership-run", RUN])
+        for rep in range(reps):
+            for mode, peers in sets.items():
+                run = peers.run(range(4), rounds, prefix=f"{mode}{rep}")
+                errors += [f"{mode}: {e}" for e in run.errors]
+                times[mode] += [r["round"] for r in run.rounds if r["ok"]]
+    except PeerFailed as e:
+        errors.append(str(e))
+    finally:
+        for peers in sets.values():
+            peers.close()
+    out: dict = {"allreduce_size": size, "allreduce_errors": errors[:5]}
+    if times["off"] and times["on"]:
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        out.update(allreduce_off_s=off, allreduce_on_s=on, membership_allreduce_ratio=on / off)
+    return out
+
+
+# ---- hostile connections -----------------------------------------------------------------------------
+class RssSampler:
+    def __init__(self, pid: int, period: float = 0.02) -> None:
+        self.proc = psutil.Process(pid)
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+async def _still_serves(addr: str, authority: Authority) -> bool:
+    from dht import DHTNode
+
+    identity = Identity()
+    node = await DHTNode.create([addr], identity=identity, client_mode=True,
+                                p2p_options={"membership": member(authority, identity)})
+    try:
+        ok = await node.store("after-the-attack", 1, time.time() + 60)
+        found = await node.get("after-the-attack", latest=True)
+        return bool(ok) and found is not None and found.value == 1
+    finally:
+        await node.shutdown()
+
+
+def measure_hostile(authority_path: str, authority: Authority, count: int) -> dict:
+    server = Server(authority_path, with_dht=True)
+    out: dict = {"hostile_connections": count}
+    try:
+        addr = server.info["addrs"][0]
+        uvloop.run(asyncio.wait_for(_still_serves(addr, authority), 60))  # warm: imports, first connection
+        before = psutil.Process(server.info["pid"]).memory_info().rss
+        sampler = RssSampler(server.info["pid"])
+        hostport = addr.split("@")[-1]
+        argv = [sys.executable, HOSTILE, "--address", hostport, "--count", str(count),
+                "--concurrency", "1000", "--mode", "mixed"]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_LIMIT_S)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+            out["attacker"] = json.loads(lines[-1]) if lines else {"stderr": done.stderr[-500:]}
+        except subprocess.TimeoutExpired:
+            out["attacker"] = {"error": f"the attacker ran past {CHILD_LIMIT_S:.0f} s and was stopped"}
+        peak = sampler.stop()
+        out["hostile_mem_growth_mb"] = (peak - before) / 2**20
+        out["served_after_attack"] = uvloop.run(asyncio.wait_for(_still_serves(addr, authority), 60))
+    finally:
+        server.close()
+    return out
+
+
+# ---- main --------------------------------------------------------------------------------------------
+def _guarded(name: str, fn, *args) -> dict:
+    """One part's figures; a part that fails or runs past its limit is reported, the rest still run."""
+    try:
+        return fn(*args)
+    except (Exception, asyncio.TimeoutError) as e:
+        return {f"{name}_error": f"{type(e).__name__}: {e}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
+    parser.add_argument("--serve", metavar="AUTHORITY", help=argparse.SUPPRESS)
+    parser.add_argument("--dht", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hostile", type=int, help="hostile connections (default 10000; --quick 2000)")
+    args = parser.parse_args()
+    if args.serve:
+        uvloop.run(_serve(args.serve, args.dht))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        authority_path = os.path.join(tmp, "authority.key")
+        authority = Authority.from_file(authority_path, RUN)
+        figures: dict = {"quick": args.quick}
+        figures.update(_guarded("rtt", measure_rtt, authority_path, authority, args.quick))
+        figures.update(_guarded("dht", measure_dht, authority, args.quick))
+        figures.update(_guarded("allreduce", measure_allreduce, authority_path, args.quick))
+        count = args.hostile or (2000 if args.quick else 10_000)
+        figures.update(_guarded("hostile", measure_hostile, authority_path, authority, count))
+    print_table(figures)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}))
+
+
+def print_table(f: dict) -> None:
+    def fmt(key: str, digits: int = 3) -> str:
+        v = f.get(key)
+        return f"{v:.{digits}f}" if isinstance(v, (int, float)) else "-"
+
+    size = f.get("allreduce_size", 0) // 1_000_000
+    rows = [
+        ("empty RPC RTT p50 (us), off / on", f"{fmt('rtt_off_us', 1)} / {fmt('rtt_on_us', 1)}", ""),
+        ("  ratio on / off", fmt("membership_rtt_ratio"), "<= 1.10"),
+        ("DHT get p50 (ms), off / on", f"{fmt('dht_get_off_ms')} / {fmt('dht_get_on_ms')}", ""),
+        ("  ratio on / off", fmt("membership_dht_get_ratio"), "<= 1.10"),
+        (f"all-reduce 4 x {size}M (s), off / on", f"{fmt('allreduce_off_s')} / {fmt('allreduce_on_s')}", ""),
+        ("  ratio on / off", fmt("membership_allreduce_ratio"), "<= 1.10"),
+        (f"memory growth, {f.get('hostile_connections', 0):,} hostile conns (MB)", fmt("hostile_mem_growth_mb", 1),
+         "<= 64"),
+        ("node serves a member afterwards", str(f.get("served_after_attack", "-")), "True"),
+    ]
+    print(f"{'figure':<52}{'value':>22}   target")
+    for name, value, target in rows:
+        print(f"{name:<52}{value:>22}   {target}")
+    for key, value in f.items():
+        if key.endswith("_error") or (key == "allreduce_errors" and value):
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
