@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from p2p import P2P, Identity, P2PError, PeerAddress, PeerUnreachable
+from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerUnreachable
 from p2p.node import CallContext
 
 from .routing import ID_BYTES, Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
@@ -165,18 +165,23 @@ class DHTNode:
     async def bootstrap(self, initial_peers: Sequence[str | PeerAddress]) -> None:
         """Learn the initial peers' identities, then look ourselves up to fill the routing table."""
         addresses = [PeerAddress.parse(p) for p in initial_peers]
+        refusals: list[NotAMember] = []
 
         async def meet(addr: PeerAddress) -> Contact | None:
             try:
                 peer_id = await self.p2p.connect(addr, timeout=self.rpc_timeout)
             except P2PError as e:
                 logger.warning("initial peer %s is unreachable: %s", addr, e)
+                if isinstance(e, NotAMember):
+                    refusals.append(e)
                 return None
             return Contact.make(peer_id, addr.host, addr.port)
 
         contacts = [c for c in await asyncio.gather(*(meet(a) for a in addresses)) if c is not None]
         contacts = [c for c in contacts if c.node_id != self.node_id]
         if addresses and not contacts and not any(a.peer_id == self.peer_id for a in addresses):
+            if len(refusals) == len(addresses):  # say why: a missing or wrong certificate, not a dead network
+                raise NotAMember(f"every initial peer refused this peer as a member of its run: {refusals[0]}")
             raise PeerUnreachable(f"none of the {len(addresses)} initial peers could be reached")
         search = _Search(self.node_id, None, self.bucket_size, stop_on_value=False)
         for c in contacts:
