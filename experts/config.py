@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from p2p import Identity, Limits
+from p2p.membership import Membership
 
 from .backend import ExpertBackend
 from .grid import expand_pattern, parse_uid
@@ -49,6 +50,8 @@ class ExpertServerConfig(BaseModel):
     initial_peers: list[str] = Field(default_factory=list, description="DHT peers to join; none: start a new DHT")
     no_dht: bool = Field(False, description="serve without declaring in any DHT")
     identity: str | None = Field(None, description="private key file; created if missing, keeps the peer id")
+    membership_token: str | None = Field(None, description="a run's certificate for this identity (spotswarm "
+                                         "token issue): serve and declare to that run's members only")
     update_period: float = Field(30.0, gt=0, description="seconds between DHT declarations")
     expiration: float | None = Field(None, gt=0, description="lifetime of a declaration (default 2x update_period)")
     checkpoint_dir: str | None = None
@@ -108,11 +111,15 @@ async def start_server(config: ExpertServerConfig) -> ExpertServer:
     limits = None
     if config.max_message_mib:
         size = config.max_message_mib << 20
-        limits = Limits(max_message_bytes=size, max_frame_bytes=size)
+        # the node-wide budget for frames in flight must admit one whole request too
+        limits = Limits(max_message_bytes=size, max_frame_bytes=size,
+                        max_pending_frame_bytes=max(size, Limits.max_pending_frame_bytes))
+    identity = Identity.from_file(config.identity) if config.identity else Identity()
+    membership = Membership.from_token(config.membership_token, identity) if config.membership_token else None
     return await ExpertServer.create(
         build_backends(config), host=config.host, port=config.port, announce_host=config.announce_host,
-        initial_peers=None if config.no_dht else config.initial_peers,
-        identity=Identity.from_file(config.identity) if config.identity else None, limits=limits,
+        initial_peers=None if config.no_dht else config.initial_peers, identity=identity, limits=limits,
+        p2p_options={"membership": membership} if membership else None,
         batch_timeout=config.batch_timeout, update_period=config.update_period, expiration=config.expiration,
         checkpoint_dir=config.checkpoint_dir, checkpoint_period=config.checkpoint_period)
 

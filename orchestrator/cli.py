@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--initial-peers", nargs="*", metavar="ADDR", help="DHT peers to join (none: start a new DHT)")
     es.add_argument("--no-dht", action="store_true", default=None, help="do not declare experts in a DHT")
     es.add_argument("--identity", metavar="PATH", help="private key file; created if missing, keeps the peer id")
+    es.add_argument("--membership-token", metavar="TOKEN",
+                    help="serve a run's members only (spotswarm token issue; needs --identity with its key)")
     es.add_argument("--update-period", type=float, help="seconds between DHT declarations (default 30)")
     es.add_argument("--expiration", type=float, help="lifetime of a declaration (default 2x update period)")
     es.add_argument("--checkpoint-dir", metavar="DIR", help="load checkpoints from and save them to DIR")

@@ -17,7 +17,7 @@ import uvloop
 
 from dht import DHTNode, RecordValidator, SignatureValidator
 from p2p import Identity
-from p2p.membership import Certificate, Membership
+from p2p.membership import Membership
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-]+")  # as a run's cluster_name
 
@@ -28,15 +28,6 @@ def peer_validators(identity: Identity, run: str | None) -> list[RecordValidator
     from workers.run_keys import run_validators  # heavy imports (torch), only for a run's peer
 
     return run_validators(run, identity)
-
-
-def token_membership(token: str, identity: Identity) -> Membership:
-    """The membership a token gives this identity; ValueError when it was issued for another peer."""
-    cert = Certificate.from_token(token)
-    if cert.peer_id != identity.peer_id:
-        raise ValueError(f"the token was issued for peer {cert.peer_id}, this peer is {identity.peer_id} "
-                         "(pass --identity with the key the token was issued for)")
-    return Membership(cert.run, cert.authority, cert)
 
 
 async def start_dht_peer(host: str, port: int, initial_peers: list[str], identity: Identity | None = None,
@@ -69,7 +60,7 @@ def run_dht_peer(host: str, port: int, initial_peers: list[str], identity_path: 
                  run: str | None = None, membership_token: str | None = None) -> int:
     identity = Identity.from_file(identity_path) if identity_path else Identity()
     try:
-        membership = token_membership(membership_token, identity) if membership_token else None
+        membership = Membership.from_token(membership_token, identity) if membership_token else None
     except ValueError as e:  # a token that does not fit: say so instead of a traceback
         print(f"spotswarm dht: --membership-token: {e}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ CONFIG_FLAGS = (
     "expert_cls", "hidden_dim", "expert_uids", "expert_pattern", "custom_module", "optimizer", "lr",
     "optimizer_update_period", "max_grad_norm", "max_batch_size", "batch_timeout", "host", "port", "announce_host",
     "initial_peers", "no_dht", "identity", "update_period", "expiration", "checkpoint_dir", "checkpoint_period",
-    "max_message_mib", "seed", "num_threads",
+    "max_message_mib", "seed", "num_threads", "membership_token",
 )
 
 
@@ -62,6 +62,22 @@ async def _serve(config: Any) -> None:
     await serve(config, stop, ready)
 
 
+def _membership_problem(config: Any) -> str | None:
+    """Why the token cannot make this server a member (checked before anything starts), or None."""
+    if not config.membership_token:
+        return None
+    if not config.identity:
+        return "needs --identity: the key file the token was issued for"
+    from p2p import Identity
+    from p2p.membership import Membership
+
+    try:
+        Membership.from_token(config.membership_token, Identity.from_file(config.identity, create=False))
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
 def run_expert_server(args: argparse.Namespace) -> int:
     # Idle OpenMP threads sleep instead of spinning: the runtime thread's torch work shares the cores with
     # the event loop (and, on small machines, with other processes).  Must be set before torch loads.
@@ -72,6 +88,10 @@ def run_expert_server(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValidationError as e:
         print(f"invalid expert server settings:\n{e}", file=sys.stderr)
+        return 2
+    problem = _membership_problem(config)
+    if problem:
+        print(f"spotswarm expert-server: membership_token: {problem}", file=sys.stderr)
         return 2
     uvloop.run(_serve(config))
     return 0

@@ -166,6 +166,19 @@ class Membership:
     def certificate(self) -> Certificate | None:
         return self._certificate
 
+    @classmethod
+    def from_token(cls, token: str, identity: Identity, run: str | None = None) -> Membership:
+        """The membership a token (``Certificate.to_token``) gives ``identity``: a token that is not one,
+        names another run, or was issued for another key is a ValueError saying which, here, rather
+        than a refusal by every peer later."""
+        cert = Certificate.from_token(token)
+        if run is not None and cert.run != run:
+            raise ValueError(f"the token is for run {cert.run!r}, not {run!r}")
+        if cert.peer_id != identity.peer_id:
+            raise ValueError(f"the token was issued for peer {cert.peer_id}, this peer is {identity.peer_id} "
+                             "(use the identity file the token was issued for)")
+        return cls(cert.run, cert.authority, cert)
+
     def adopt(self, certificate: Certificate, peer_id: PeerID) -> None:
         """Make ``certificate`` ours after checking it (ValueError if it would not be accepted)."""
         try:

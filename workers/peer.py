@@ -73,20 +73,13 @@ def params_digest(params: list[torch.Tensor]) -> str:
 
 
 def run_membership(config: WorkerConfig, identity: Identity) -> Membership | None:
-    """The peer's membership of its run, from its token; a token for another run or another peer is
-    a clear error here rather than a refusal by every peer later."""
+    """The peer's membership of its run, from its token (None: open mode)."""
     if not config.membership_token:
         return None
     try:
-        cert = Certificate.from_token(config.membership_token)
+        return Membership.from_token(config.membership_token, identity, run=config.run)
     except ValueError as e:
         raise ValueError(f"membership_token: {e}") from None
-    if cert.run != config.run:
-        raise ValueError(f"membership_token: issued for run {cert.run!r}, this worker is in run {config.run!r}")
-    if cert.peer_id != identity.peer_id:
-        raise ValueError(f"membership_token: issued for peer {cert.peer_id}, this worker is {identity.peer_id} "
-                         "(start it with the identity file the token was issued for)")
-    return Membership(config.run, cert.authority, cert)
 
 
 class TrainingPeer:

@@ -16,7 +16,7 @@ import torch
 from averaging import DecentralizedAverager
 from dht import DHTNode, SignatureValidator
 from experts.declare import declare_experts, get_experts
-from p2p import Identity, NotAMember
+from p2p import P2P, Identity, NotAMember
 from p2p.membership import Authority, Membership
 from workers.progress import PeerProgress, ProgressTracker
 from workers.run_keys import run_validators
@@ -121,3 +121,31 @@ async def test_a_stranger_cannot_take_an_expert_uid_or_move_the_epoch(run):
             assert progress.epoch == 7 and progress.num_peers == 2
     finally:
         await asyncio.gather(*(s.shutdown() for s in strangers))
+
+
+async def test_an_expert_server_with_a_token_serves_members_only(tmp_path):
+    from experts.config import ExpertServerConfig, start_server
+    from orchestrator.expert_server_cli import _membership_problem
+
+    authority = Authority(Identity(), RUN)
+    key = tmp_path / "server.key"
+    token = authority.issue(Identity.from_file(key).peer_id, 600, roles=("experts:ffn.",)).to_token()
+    config = ExpertServerConfig(expert_cls="ffn", hidden_dim=8, expert_uids=["ffn.0.0"], no_dht=True,
+                                identity=str(key), membership_token=token)
+    assert _membership_problem(config) is None
+    someone_elses = authority.issue(Identity().peer_id, 600).to_token()
+    assert "issued for peer" in _membership_problem(config.model_copy(update={"membership_token": someone_elses}))
+    server = await start_server(config)
+    member_identity = Identity()
+    member = await P2P.create(client_mode=True, identity=member_identity,
+                              membership=membership(authority, member_identity))
+    stranger = await P2P.create(client_mode=True)
+    try:
+        info = await member.call(server.address, "expert.info", {"uid": "ffn.0.0"}, timeout=10)
+        assert info is not None
+        with pytest.raises(NotAMember):
+            await stranger.call(server.address, "expert.info", {"uid": "ffn.0.0"}, timeout=10)
+    finally:
+        for node in (member, stranger):
+            await node.shutdown()
+        await server.shutdown()
