@@ -292,3 +292,53 @@ async def test_a_stranger_in_another_process_is_refused_and_the_member_keeps_ser
     assert m.connected_peers() == [] and m.num_half_open == 0
     other = await member(nodes, authority)
     assert await other.call(m.address, "echo", "after") == "after"
+
+
+_FUZZ_AUTHORITY = Authority(Identity(), "fuzz")
+_FUZZ_PEER = Identity()
+_FUZZ_CERT = _FUZZ_AUTHORITY.issue(_FUZZ_PEER.peer_id, 600, roles=("worker",)).to_bytes()
+
+
+def _fuzz_check(raw: object) -> None:
+    """What a HELLO's or RENEW's ``m`` may hold: a membership either accepts it or says why, nothing else."""
+    membership = Membership("fuzz", _FUZZ_AUTHORITY.public_key)
+    try:
+        membership.check(_FUZZ_PEER.peer_id, raw)
+    except NotAMember as e:
+        assert str(e)
+
+
+def test_fuzz_certificates_are_accepted_only_intact():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=3000))
+    def any_bytes(raw: bytes) -> None:
+        _fuzz_check(raw)
+        try:
+            Certificate.from_token(raw.decode("latin-1"))
+        except ValueError:
+            pass
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.integers(min_value=0, max_value=len(_FUZZ_CERT) - 1), st.integers(min_value=1, max_value=255))
+    def one_byte_changed(at: int, flip: int) -> None:
+        tampered = bytearray(_FUZZ_CERT)
+        tampered[at] ^= flip
+        with pytest.raises(NotAMember):
+            Membership("fuzz", _FUZZ_AUTHORITY.public_key).check(_FUZZ_PEER.peer_id, bytes(tampered))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+                        | st.binary(max_size=40),
+                        lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                     max_size=6), max_leaves=30))
+    def any_msgpack(value: object) -> None:
+        _fuzz_check(msgpack.packb(value))
+        _fuzz_check(value)  # not even bytes
+
+    any_bytes()
+    one_byte_changed()
+    any_msgpack()
+    Membership("fuzz", _FUZZ_AUTHORITY.public_key).check(_FUZZ_PEER.peer_id, _FUZZ_CERT)  # the intact one passes
