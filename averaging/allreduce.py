@@ -13,8 +13,9 @@ bandwidth bound, and the reducer's unread bytes from ~100 MB to ~8 MB at 100M el
 
 Faults: a sender that makes no progress for ``sender_timeout`` is dropped and each chunk is
 averaged over the weights that arrived; if a reducer dies, its senders keep their local values for
-the chunks they did not get back.  Reducers tell senders whom they dropped and why, so every peer
-can report every failure it was part of.
+the chunks they did not get back, and say which parts those are (``unaveraged``): members that got
+every part back hold the same values, the others do not.  Reducers tell senders whom they dropped
+and why, so every peer can report every failure it was part of.
 
 Hostile members: a chunk is averaged only once every sender delivered it (until then each
 sender's decoded slice waits, at most ``window`` chunks per sender), and before summing the
@@ -41,8 +42,8 @@ from typing import Any
 import torch
 
 from p2p import P2P, P2PError, PeerID
+from p2p.codecs import FLOAT32_MAX, BadChunk, Codec, decode, decode_into, encode, norm
 
-from .compression import FLOAT32_MAX, BadChunk, Codec, decode, decode_into, encode, norm
 from .partition import Chunk, FlatTensors, describe_mismatch, part_bounds
 
 logger = logging.getLogger(__name__)
@@ -114,12 +115,14 @@ class GroupInfo:
 class AllReduceOutcome:
     # index of every peer dropped from at least one part -> why, as this peer saw or was told it
     failed: dict[int, str] = field(default_factory=dict)
+    # parts whose averaged values did not all come back from their reducer: our values there stay local
+    unaveraged: set[int] = field(default_factory=set)
     bytes_sent: int = 0
     bytes_received: int = 0
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """NaN/inf check in one pass, without a per-element temporary (see ``compression.norm``)."""
+    """NaN/inf check in one pass, without a per-element temporary (see ``p2p.codecs.norm``)."""
     return math.isfinite(norm(x))
 
 
@@ -377,6 +380,13 @@ class AllReduceRound:
             logger.info("reducer %d failed after %d/%d chunks: %s", j, received, len(chunks), e)
             # the chunks not received keep their local values
             self._drop(j, f"part {j}: reducer failed after {received}/{len(chunks)} chunks: {e}")
+        except asyncio.CancelledError:  # the round passed its deadline while reducer j kept silent
+            if received < len(chunks):
+                self._drop(j, f"part {j}: the round ended after {received}/{len(chunks)} chunks")
+            raise
+        finally:
+            if received < len(chunks):
+                self.outcome.unaveraged.add(j)
 
     def _note_reported(self, j: int, reported: Any) -> None:
         """Record whom reducer j says it dropped (its word: reasons are prefixed with its part)."""

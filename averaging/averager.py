@@ -18,10 +18,10 @@ import torch
 
 from dht import DHT, DHTNode
 from p2p import CallKind, PeerID
+from p2p.codecs import Codec
 from p2p.node import CallContext
 
 from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
-from .compression import Codec
 from .matchmaking import Matchmaker
 from .partition import FlatTensors
 
@@ -45,11 +45,19 @@ class StepResult:
     my_index: int = 0
     group_peers: list[PeerID] = field(default_factory=list)  # in group order
     part_sizes: list[int] = field(default_factory=list)  # elements each member reduced
+    # parts (by reducer index) whose average did not all come back: our tensors keep local values there
+    unaveraged_parts: list[int] = field(default_factory=list)
 
     @property
     def averaged(self) -> bool:
         """True if this peer averaged with at least one other."""
         return self.group_size > 1
+
+    @property
+    def complete(self) -> bool:
+        """True if every part of our tensors holds the group's average: the same values as every
+        other member whose step is complete (a dead reducer leaves its part local to each sender)."""
+        return self.averaged and not self.unaveraged_parts
 
 
 class DecentralizedAverager:
@@ -152,7 +160,8 @@ class DecentralizedAverager:
                 bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
                 matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
                 group_id=group.group_id.hex(), my_index=group.my_index,
-                group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes))
+                group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes),
+                unaveraged_parts=sorted(outcome.unaveraged))
 
     async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
                          abort: asyncio.Event | None, weight: float) -> GroupInfo | None:

@@ -1,6 +1,6 @@
 """DHT: the synchronous face of a DHTNode, for training loops and scripts.
 
-Threading model: the node lives on its own event loop in a background thread (``LoopThread``).
+Threading model: the node lives on its own event loop in a background thread (``BlockingFace``).
 Each blocking method submits a coroutine to that loop and waits for it; with
 ``return_future=True`` it returns a ``concurrent.futures.Future`` instead.  Upper layers that are
 async themselves run code on the node's loop with ``run_coroutine``.
@@ -13,14 +13,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from p2p import PeerAddress
-from p2p.loop_thread import LoopThread
+from p2p.loop_thread import BlockingFace
 
 from .node import DHTNode, ValueWithExpiration
 
 T = TypeVar("T")
 
 
-class DHT:
+class DHT(BlockingFace):
     """A DHT peer usable from ordinary (non-async) code.
 
     ``DHT(initial_peers=["host:port"], client_mode=False, validators=[...])``; keyword options are
@@ -29,15 +29,9 @@ class DHT:
 
     def __init__(self, initial_peers: Sequence[str | PeerAddress] = (), *, client_mode: bool = False,
                  validators: Sequence[Any] = (), startup_timeout: float = 60.0, **options: Any) -> None:
-        self._thread = LoopThread(name="spotswarm-dht")
-        try:
-            self.node: DHTNode = self._thread.run(
-                DHTNode.create(initial_peers, client_mode=client_mode, validators=validators, **options),
-                timeout=startup_timeout)
-        except BaseException:
-            self._thread.stop()
-            raise
-        self._closed = False
+        super().__init__(thread_name="spotswarm-dht")
+        self.node: DHTNode = self._start(
+            DHTNode.create(initial_peers, client_mode=client_mode, validators=validators, **options), startup_timeout)
 
     # ---- identity ------------------------------------------------------------------------------
     @property
@@ -72,24 +66,7 @@ class DHT:
         return self._call(runner(), return_future)
 
     def _call(self, coro: Any, return_future: bool) -> Any:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("this DHT is shut down")
-        future = self._thread.submit(coro)
-        return future if return_future else future.result()
+        return self.submit(coro) if return_future else self.run(coro)
 
-    # ---- lifetime ------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._thread.run(self.node.shutdown(), timeout=30)
-        finally:
-            self._thread.stop()
-
-    def __enter__(self) -> DHT:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+    async def _aclose(self) -> None:
+        await self.node.shutdown()

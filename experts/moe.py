@@ -29,10 +29,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from dht import DHT
+from p2p.codecs import cast_codec
 
 from .beam_search import FoundExpert, find_best_experts
 from .client import ExpertClient
-from .compression import codec_dtype
 from .errors import ExpertCallFailed, ExpertSchemaError, NotEnoughExperts
 from .grid import normalize_prefix
 from .remote import DUMMY, call_backward, call_forward, call_info
@@ -80,7 +80,6 @@ class RemoteMixtureOfExperts(nn.Module):
             raise ValueError(f"grid_size must be positive integers, got {grid_size!r}")
         if not 0 <= k_min <= k_best or not 0 <= backward_k_min <= k_best:
             raise ValueError("need 0 <= k_min <= k_best and 0 <= backward_k_min <= k_best")
-        codec_dtype(compression)
         self.in_features = in_features
         self.grid_size = tuple(int(n) for n in grid_size)
         self.uid_prefix = normalize_prefix(uid_prefix)
@@ -89,7 +88,7 @@ class RemoteMixtureOfExperts(nn.Module):
         self.timeout_after_k_min = timeout_after_k_min
         self.beam_size = beam_size or k_best
         self.allow_zero_outputs = allow_zero_outputs
-        self.compression = compression
+        self.compression = cast_codec(compression)
         self.trusted_servers = trusted_servers
         self.dht = dht
         self.client = client or ExpertClient.from_dht(dht)

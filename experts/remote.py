@@ -19,9 +19,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from p2p import P2P, P2PError, RemoteError
+from p2p.codecs import Codec, cast_codec, compress, restore
 
 from .client import ExpertClient, default_client
-from .compression import codec_dtype, compress, restore
 from .errors import ExpertCallFailed, from_remote
 from .grid import parse_uid
 from .schema import TensorSchema, count_non_finite, dtype_from_name
@@ -99,11 +99,18 @@ def check_grad_inputs(uid: str, address: str, inputs: Sequence[torch.Tensor], gr
     _check_finite_answer(uid, address, "input gradient", grads)
 
 
+def _request(uid: str, compression: str | Codec | None, **tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """A call's request: its tensor lists compressed, and the codec named unless it is ``none``."""
+    codec = cast_codec(compression)
+    request: dict[str, Any] = {"uid": uid, **{k: compress([t.detach() for t in v], codec) for k, v in tensors.items()}}
+    if codec is not Codec.NONE:
+        request["c"] = codec.value
+    return request
+
+
 async def call_forward(p2p: P2P, address: str, uid: str, inputs: Sequence[torch.Tensor],
-                       timeout: float | None = None, compression: str | None = None) -> list[torch.Tensor]:
-    request: dict[str, Any] = {"uid": uid, "inputs": compress([t.detach() for t in inputs], compression)}
-    if codec_dtype(compression) is not None:
-        request["c"] = compression
+                       timeout: float | None = None, compression: str | Codec | None = None) -> list[torch.Tensor]:
+    request = _request(uid, compression, inputs=inputs)
     outputs = _tensors(await _call(p2p, address, uid, FORWARD, request, timeout), "outputs", uid)
     check_outputs(uid, address, inputs, outputs)
     return outputs
@@ -111,11 +118,8 @@ async def call_forward(p2p: P2P, address: str, uid: str, inputs: Sequence[torch.
 
 async def call_backward(p2p: P2P, address: str, uid: str, inputs: Sequence[torch.Tensor],
                         grad_outputs: Sequence[torch.Tensor], timeout: float | None = None,
-                        compression: str | None = None) -> list[torch.Tensor | None]:
-    request: dict[str, Any] = {"uid": uid, "inputs": compress([t.detach() for t in inputs], compression),
-                               "grad_outputs": compress([g.detach() for g in grad_outputs], compression)}
-    if codec_dtype(compression) is not None:
-        request["c"] = compression
+                        compression: str | Codec | None = None) -> list[torch.Tensor | None]:
+    request = _request(uid, compression, inputs=inputs, grad_outputs=grad_outputs)
     grads = _tensors(await _call(p2p, address, uid, BACKWARD, request, timeout), "grad_inputs", uid)
     check_grad_inputs(uid, address, inputs, grads)
     return grads
@@ -145,13 +149,12 @@ class RemoteExpert(nn.Module):
                  compression: str = "none") -> None:
         super().__init__()
         parse_uid(uid)
-        codec_dtype(compression)
         self.uid = uid
         self.address = str(address)
         self.client = client or default_client()
         self.forward_timeout = forward_timeout
         self.backward_timeout = backward_timeout
-        self.compression = compression
+        self.compression = cast_codec(compression)
         self._info: ExpertInfo | None = None
 
     @property

@@ -20,12 +20,12 @@ from typing import Any
 
 from dht import DHTNode, SignatureValidator
 from p2p import P2P, CallContext, Identity, Limits, PeerAddress
-from p2p.loop_thread import LoopThread
+from p2p.codecs import Codec, cast_codec, compress, restore
+from p2p.loop_thread import BlockingFace
 
 from .backend import ExpertBackend
 from .batching import BatchScheduler, TaskPool
 from .checkpoints import load_experts, save_experts
-from .compression import codec_dtype, compress, restore
 from .declare import declare_experts, withdraw_experts
 from .errors import ExpertRequestTooLarge, NonFiniteValues, UnknownExpert
 from .runtime import Runtime
@@ -130,10 +130,9 @@ class ExpertServer:
         return backend
 
     @staticmethod
-    def _codec(request: dict) -> str | None:
-        codec = request.get("c")
-        codec_dtype(codec)
-        return None if codec == "none" else codec
+    def _codec(request: dict) -> Codec | None:
+        codec = cast_codec(request.get("c"))
+        return None if codec is Codec.NONE else codec
 
     def _limit(self, backend: ExpertBackend, rows: int) -> None:
         if rows > backend.max_batch_size:
@@ -262,19 +261,17 @@ def _backward_fn(backend: ExpertBackend):
     return run
 
 
-class BackgroundExpertServer:
-    """An ExpertServer on its own event-loop thread, for code that is not async (scripts, tests)."""
+class BackgroundExpertServer(BlockingFace):
+    """An ExpertServer on its own event-loop thread, for code that is not async (scripts, tests);
+    ``run(coro)`` runs a coroutine on the server's loop (e.g. ``server.declare()``)."""
+
+    shutdown_timeout = 60.0
 
     def __init__(self, experts: Mapping[str, ExpertBackend] | Sequence[ExpertBackend],
                  startup_timeout: float = 60.0, server_cls: type[ExpertServer] = ExpertServer,
                  **options: Any) -> None:
-        self._thread = LoopThread(name="spotswarm-experts")
-        try:
-            self.server: ExpertServer = self._thread.run(server_cls.create(experts, **options), startup_timeout)
-        except BaseException:
-            self._thread.stop()
-            raise
-        self._closed = False
+        super().__init__(thread_name="spotswarm-experts")
+        self.server: ExpertServer = self._start(server_cls.create(experts, **options), startup_timeout)
 
     @property
     def address(self) -> str:
@@ -284,21 +281,5 @@ class BackgroundExpertServer:
     def backends(self) -> dict[str, ExpertBackend]:
         return self.server.backends
 
-    def run(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a coroutine on the server's loop (e.g. ``server.declare()``)."""
-        return self._thread.run(coro, timeout)
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._thread.run(self.server.shutdown(), timeout=60)
-        finally:
-            self._thread.stop()
-
-    def __enter__(self) -> BackgroundExpertServer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+    async def _aclose(self) -> None:
+        await self.server.shutdown()

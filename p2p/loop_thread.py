@@ -1,6 +1,7 @@
-"""An event loop on a background thread, for synchronous APIs over async nodes (e.g. ``dht.DHT``).
+"""Synchronous APIs over async nodes (``dht.DHT``, the experts' client and background server).
 
-A training loop calls blocking methods; they hand coroutines to this loop and wait for results.
+A training loop calls blocking methods; they hand coroutines to an event loop on a background
+thread and wait for the results.
 """
 
 from __future__ import annotations
@@ -11,44 +12,88 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import uvloop
+
 T = TypeVar("T")
+Face = TypeVar("Face", bound="BlockingFace")
 
 
-class LoopThread:
-    def __init__(self, name: str = "spotswarm-loop", use_uvloop: bool = True) -> None:
-        if use_uvloop:
-            try:
-                import uvloop
+class BlockingFace:
+    """Blocking ``run`` / ``submit`` of coroutines on an event loop that runs in another thread.
 
-                self.loop = uvloop.new_event_loop()
-            except ImportError:  # pragma: no cover - uvloop is a dependency, but stay usable without it
-                self.loop = asyncio.new_event_loop()
-        else:
-            self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+    A face either borrows a loop (another face's) or owns one, on a daemon thread; an owner sets
+    itself up with ``_start`` and, at ``shutdown``, closes what lives on its loop (``_aclose``) and
+    stops the thread.  After shutdown, and from the loop's own thread (where waiting would
+    deadlock), calls are refused with RuntimeError.
+    """
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
+    shutdown_timeout = 30.0
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, thread_name: str = "spotswarm-loop") -> None:
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if loop is None:
+            loop = uvloop.new_event_loop()
+            self._thread = threading.Thread(target=_run_forever, args=(loop,), name=thread_name, daemon=True)
+            self._thread.start()
+        self.loop = loop
+
+    def _start(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run the coroutine that sets this face up; if it fails, the face is closed (its thread stopped)."""
+        try:
+            return self.run(coro, timeout)
+        except BaseException:
+            self._stop()
+            raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if threading.current_thread() is self._thread:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._closed or running is self.loop:
             coro.close()
-            raise RuntimeError("blocking call from the loop's own thread would deadlock; use the async API")
+            raise RuntimeError(f"this {type(self).__name__} is shut down" if self._closed else
+                               f"a blocking {type(self).__name__} call from its own event loop would deadlock")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return self.submit(coro).result(timeout)
+        """Run ``coro`` on the loop and wait for it; it is cancelled if the wait ends early."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
-    def stop(self) -> None:
-        """Stop the loop and join the thread (pending tasks should have been finished by the caller)."""
-        if self._thread.is_alive():
+    async def _aclose(self) -> None:
+        """Close what this face owns on its loop (run by ``shutdown`` when the face owns the loop)."""
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._thread is not None:
+                self.run(self._aclose(), self.shutdown_timeout)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        """Refuse further calls; stop the owned loop and join its thread (its tasks are finished by now)."""
+        self._closed = True
+        if self._thread is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def __enter__(self: Face) -> Face:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()

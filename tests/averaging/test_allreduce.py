@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
-from averaging.compression import error_bound
+from p2p.codecs import error_bound
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from averaging.compression import BLOCK, Codec, choose, decode_into, encode, error_bound
+from averaging.compression import choose
+from p2p.codecs import BLOCK, Codec, cast_codec, decode_into, encode, error_bound
 
 
 @settings(max_examples=60, deadline=None)
@@ -21,13 +22,30 @@ def test_decode_encode_is_within_the_documented_bound(codec, n, scale, seed):
     assert (out - x).abs().max().item() <= bound * (1 + 1e-5) + 1e-6 * scale
 
 
-def test_fp16_falls_back_to_exact_above_its_range():
-    x = torch.tensor([1e6, -3.0, 0.5])
-    payload = encode(Codec.FP16, x)
+@pytest.mark.parametrize("codec, big", [(Codec.FLOAT16, 1e6), (Codec.BFLOAT16, 3.4e38)])
+def test_half_precision_falls_back_to_exact_above_its_range(codec, big):
+    x = torch.tensor([big, -3.0, 0.5])
+    payload = encode(codec, x)
     assert payload["c"] == "none"
     out = torch.empty(3)
     decode_into(payload, out)
     assert torch.equal(out, x)
+
+
+def test_the_old_name_fp16_is_read_as_float16():
+    assert Codec("fp16") is Codec.FLOAT16 and cast_codec("fp16") is Codec.FLOAT16
+    x = torch.tensor([1.0, -3.0, 0.5])
+    assert encode(Codec("fp16"), x)["c"] == "float16"
+    out = torch.empty(3)
+    decode_into({"c": "fp16", "d": x.half()}, out)
+    assert torch.equal(out, x)
+
+
+def test_only_casts_compress_whole_tensors():
+    assert cast_codec(None) is Codec.NONE and cast_codec("bfloat16") is Codec.BFLOAT16
+    for name in ("uniform8", "blockwise8", "zip", 3):
+        with pytest.raises(ValueError, match="unknown compression"):
+            cast_codec(name)
 
 
 def test_blockwise_confines_an_outlier_to_its_block():

@@ -11,8 +11,8 @@ import torch
 
 from averaging import DecentralizedAverager
 from averaging.allreduce import AllReduceRound
-from averaging.compression import encode
 from dht import DHTNode
+from p2p.codecs import encode
 
 
 def die_after(chunks: int) -> None:

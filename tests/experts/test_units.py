@@ -9,9 +9,9 @@ import torch
 
 from experts import ExpertBackend, ExpertSchemaError, TensorSchema, expand_pattern, parse_uid
 from experts.batching import BatchScheduler, TaskPool
-from experts.compression import compress, restore
 from experts.grid import prefix_key
 from experts.runtime import Runtime
+from p2p.codecs import compress, restore
 
 
 def test_uids_parse_into_prefix_and_coordinates():

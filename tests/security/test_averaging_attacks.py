@@ -20,9 +20,9 @@ import torch
 
 from averaging import Codec, DecentralizedAverager, StepResult
 from averaging.allreduce import AllReduceRound
-from averaging.compression import BLOCK, MalformedChunk, NonFiniteChunk, decode, decode_into, encode, norm
 from averaging.partition import Chunk
 from dht import DHTNode
+from p2p.codecs import BLOCK, MalformedChunk, NonFiniteChunk, decode, decode_into, encode, norm
 
 SHAPES = ((3, 5), (300,))
 CHUNK = 64  # several chunks per part: a misbehaving sender is caught in every one of them
@@ -181,7 +181,8 @@ def blockwise(n: int, **overrides: Any) -> dict:
 async def test_malformed_compressed_chunks_are_refused_cleanly_and_their_senders_named(swarm):
     game = Round(honest=3, attackers=5)
     short_fp16, scale_tensor, blocks, float64_scales, two_d = await game.start(swarm)
-    short_fp16.round_class = sending(replaced(lambda n: {"c": "fp16", "d": torch.zeros(n - 1, dtype=torch.float16)}))
+    short_fp16.round_class = sending(replaced(  # "fp16": the codec's old name, still read as "float16"
+        lambda n: {"c": "fp16", "d": torch.zeros(n - 1, dtype=torch.float16)}))
     scale_tensor.round_class = sending(replaced(
         lambda n: {"c": "uniform8", "d": torch.zeros(n, dtype=torch.uint8), "lo": 0.0, "s": torch.ones(2)}))
     blocks.round_class = sending(replaced(lambda n: blockwise(n, s=torch.ones(2))))
@@ -189,7 +190,7 @@ async def test_malformed_compressed_chunks_are_refused_cleanly_and_their_senders
         lambda n: blockwise(n, lo=torch.zeros(-(-n // BLOCK), dtype=torch.float64))))
     two_d.round_class = sending(replaced(lambda n: {"c": "none", "d": torch.zeros(n, 1)}))
     results = await game.run()
-    game.check(results, [r"chunk 0: fp16 chunk has \d+ elements, expected \d+",
+    game.check(results, [r"chunk 0: float16 chunk has \d+ elements, expected \d+",
                          r"uniform8 chunk needs numbers 'lo' and 's'",
                          r"blockwise8 chunk has 2 values of 's', expected 1",
                          r"blockwise8 chunk's 'lo' must be a 1-d float32 tensor",
@@ -295,8 +296,9 @@ MALFORMED = {
     "none, float64": {"c": "none", "d": torch.zeros(N, dtype=torch.float64)},
     "none, int64": {"c": "none", "d": torch.zeros(N, dtype=torch.int64)},
     "none, 2-d": {"c": "none", "d": torch.zeros(N // 3, 3)},
-    "fp16, float32 data": {"c": "fp16", "d": torch.zeros(N)},
-    "fp16, long": {"c": "fp16", "d": torch.zeros(N + 1, dtype=torch.float16)},
+    "float16, float32 data": {"c": "float16", "d": torch.zeros(N)},
+    "float16, long": {"c": "float16", "d": torch.zeros(N + 1, dtype=torch.float16)},
+    "bfloat16, float16 data": {"c": "bfloat16", "d": torch.zeros(N, dtype=torch.float16)},
     "uniform8, float data": {"c": "uniform8", "d": torch.zeros(N), "lo": 0.0, "s": 1.0},
     "uniform8, no scale": {"c": "uniform8", "d": torch.zeros(N, dtype=torch.uint8), "lo": 0.0},
     "uniform8, scale tensor": {"c": "uniform8", "d": torch.zeros(N, dtype=torch.uint8), "lo": 0.0,
@@ -312,7 +314,8 @@ MALFORMED = {
 }
 NONFINITE = {
     "none, nan": {"c": "none", "d": torch.full((N,), math.nan)},
-    "fp16, inf": {"c": "fp16", "d": torch.full((N,), math.inf, dtype=torch.float16)},
+    "float16, inf": {"c": "float16", "d": torch.full((N,), math.inf, dtype=torch.float16)},
+    "bfloat16, nan": {"c": "bfloat16", "d": torch.full((N,), math.nan, dtype=torch.bfloat16)},
     "uniform8, nan lo": {"c": "uniform8", "d": torch.zeros(N, dtype=torch.uint8), "lo": math.nan, "s": 1.0},
     "uniform8, overflowing scale": {"c": "uniform8", "d": torch.full((N,), 255, dtype=torch.uint8), "lo": -3e38,
                                     "s": 2.3e36},
