@@ -34,19 +34,19 @@ class ExpertServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     expert_cls: str = Field("ffn", description="expert kind: ffn, transformer, nop, or one a custom module registers")
-    hidden_dim: int = Field(1024, gt=0)
+    hidden_dim: int = Field(1024, gt=0, description="hidden size of each expert")
     expert_uids: list[str] | None = Field(None, description="exact uids, e.g. [ffn.0.0, ffn.0.1]")
     expert_pattern: str | None = Field(None, description="every uid of a grid, e.g. ffn.[0:4].[0:4]")
     custom_module: str | None = Field(None, description="a .py file that registers expert kinds")
-    optimizer: Literal["adam", "sgd", "none"] = "adam"
-    lr: float = Field(1e-3, ge=0)
+    optimizer: Literal["adam", "sgd", "none"] = Field("adam", description="each expert's optimizer")
+    lr: float = Field(1e-3, ge=0, description="learning rate")
     optimizer_update_period: int = Field(1, ge=1, description="backward batches per optimizer step")
     max_grad_norm: float | None = Field(None, gt=0, description="clip each step's gradient norm to this")
     max_batch_size: int = Field(4096, gt=0, description="rows per batch, and per request at most")
     batch_timeout: float = Field(0.0, ge=0, description="seconds a batch may wait to fill up")
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, lt=65536)
-    announce_host: str | None = None
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(0, ge=0, lt=65536, description="port to listen on; 0 is any free port")
+    announce_host: str | None = Field(None, description="host to declare in the DHT, if not the listening one")
     initial_peers: list[str] = Field(default_factory=list, description="DHT peers to join; none: start a new DHT")
     no_dht: bool = Field(False, description="serve without declaring in any DHT")
     identity: str | None = Field(None, description="private key file; created if missing, keeps the peer id")
@@ -54,10 +54,10 @@ class ExpertServerConfig(BaseModel):
                                          "token issue): serve and declare to that run's members only")
     update_period: float = Field(30.0, gt=0, description="seconds between DHT declarations")
     expiration: float | None = Field(None, gt=0, description="lifetime of a declaration (default 2x update_period)")
-    checkpoint_dir: str | None = None
-    checkpoint_period: float | None = Field(None, gt=0)
+    checkpoint_dir: str | None = Field(None, description="load checkpoints from and save them to this directory")
+    checkpoint_period: float | None = Field(None, gt=0, description="seconds between checkpoint saves")
     max_message_mib: int | None = Field(None, gt=0, description="largest request accepted, in MiB")
-    seed: int | None = None
+    seed: int | None = Field(None, description="seed for the experts' initial weights")
     num_threads: int | None = Field(None, gt=0, description="torch threads for the experts' work")
 
     @model_validator(mode="after")

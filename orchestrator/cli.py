@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
+from typing import Any
 
 
 def _console():
@@ -164,26 +167,49 @@ def _dht(args: argparse.Namespace) -> int:
                         run=args.run, membership_token=args.membership_token)
 
 
-def _expert_server(args: argparse.Namespace) -> int:
-    from .expert_server_cli import run_expert_server
+def _settings_cli(name: str) -> Any:
+    """``worker_cli`` or ``expert_server_cli``: the command's settings (``FLAGS``) and its ``run``."""
+    if name == "expert_server_cli" and "torch" not in sys.modules:
+        # idle OpenMP threads sleep, not spin: the experts' torch work shares the cores with the event loop
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return importlib.import_module(f".{name}", __package__)
 
-    return run_expert_server(args)
+
+def _run_with_settings(args: argparse.Namespace) -> int:
+    """``--config``'s YAML with the flags given over it, then the command; every problem and exit 2 if invalid."""
+    from .config_loader import ConfigError
+
+    cli = _settings_cli(args.settings)
+    try:
+        config = cli.FLAGS.load(args.config, vars(args))
+    except ConfigError as e:
+        print(f"spotswarm {args.command}: invalid config, nothing started:\n{e}", file=sys.stderr)
+        return 2
+    return cli.run(config)
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from .worker_cli import run_worker
+class _Parser(argparse.ArgumentParser):
+    """A sub-command's parser; with ``settings`` (``_settings_cli``), ``--config`` and a flag per field, added
+    when it parses: the settings import torch, which other sub-commands and --help need not wait for."""
 
-    overrides = {k: getattr(args, k) for k in ("run", "task", "mode", "initial_peers", "host", "port", "client_mode",
-                                                "identity_path", "target_batch_size", "max_epochs", "max_seconds",
-                                                "seed", "report_file", "compression", "min_peers", "moshpit_grid",
-                                                "group_size", "averaging_period", "membership_token")}
-    return run_worker(args.config, overrides)
+    def __init__(self, *args: Any, settings: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._settings = settings
+        if settings is not None:
+            self.add_argument("--config", metavar="YAML", help="settings file")
+            self.set_defaults(func=_run_with_settings, settings=settings)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._settings is not None:
+            _settings_cli(self._settings).FLAGS.add_arguments(self)
+            self._settings = None
+        return super().parse_known_args(args, namespace)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotswarm", description="Decentralized training on preemptible machines.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="a few minutes of training on the simulated local spot fleet")
     demo.add_argument("--config", default="cluster_configs/local.yaml", help="cluster YAML (default: local.yaml)")
     demo.add_argument("--duration", type=float, default=150.0, help="seconds to run (default 150)")
@@ -247,62 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     dht.add_argument("--membership-token", metavar="TOKEN",
                      help="be a member of the token's run (spotswarm token issue; needs --identity with its key)")
     dht.set_defaults(func=_dht)
-    es = sub.add_parser("expert-server", help="host experts for decentralized mixture-of-experts layers",
-                        description="Settings come from --config (YAML, keys as the flags with underscores); "
-                                    "flags override it.")
-    es.add_argument("--config", metavar="YAML", help="settings file")
-    es.add_argument("--expert-cls", help="expert kind: ffn, transformer, nop, or one from --custom-module")
-    es.add_argument("--hidden-dim", type=int, help="hidden size of each expert (default 1024)")
-    es.add_argument("--expert-uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.0 ffn.0.1")
-    es.add_argument("--expert-pattern", help="host every uid of a grid, e.g. 'ffn.[0:4].[0:4]'")
-    es.add_argument("--custom-module", metavar="PATH", help="a .py file that registers expert kinds")
-    es.add_argument("--optimizer", choices=["adam", "sgd", "none"], help="each expert's optimizer (default adam)")
-    es.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
-    es.add_argument("--optimizer-update-period", type=int, help="backward batches per optimizer step (default 1)")
-    es.add_argument("--max-grad-norm", type=float, help="clip each optimizer step's gradient norm (default: no clip)")
-    es.add_argument("--max-batch-size", type=int, help="rows per batch and per request (default 4096)")
-    es.add_argument("--batch-timeout", type=float, help="seconds a batch may wait to fill up (default 0)")
-    es.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    es.add_argument("--port", type=int, help="port to listen on (default: any free port)")
-    es.add_argument("--announce-host", help="host to declare in the DHT, if not the listening one")
-    es.add_argument("--initial-peers", nargs="*", metavar="ADDR", help="DHT peers to join (none: start a new DHT)")
-    es.add_argument("--no-dht", action="store_true", default=None, help="do not declare experts in a DHT")
-    es.add_argument("--identity", metavar="PATH", help="private key file; created if missing, keeps the peer id")
-    es.add_argument("--membership-token", metavar="TOKEN",
-                    help="serve a run's members only (spotswarm token issue; needs --identity with its key)")
-    es.add_argument("--update-period", type=float, help="seconds between DHT declarations (default 30)")
-    es.add_argument("--expiration", type=float, help="lifetime of a declaration (default 2x update period)")
-    es.add_argument("--checkpoint-dir", metavar="DIR", help="load checkpoints from and save them to DIR")
-    es.add_argument("--checkpoint-period", type=float, help="seconds between checkpoint saves")
-    es.add_argument("--max-message-mib", type=int, help="refuse larger requests (MiB)")
-    es.add_argument("--seed", type=int, help="seed for the experts' initial weights")
-    es.add_argument("--num-threads", type=int, help="torch threads for the experts' work")
-    es.set_defaults(func=_expert_server)
-    wk = sub.add_parser("worker", help="run one training peer",
-                        description="Settings come from --config (YAML, keys as in workers.peer.WorkerConfig); "
-                                    "flags override it. SIGTERM leaves gracefully.")
-    wk.add_argument("--config", metavar="YAML", help="settings file")
-    wk.add_argument("--run", help="run name: peers of one run train together (default spotswarm)")
-    wk.add_argument("--task", help="built-in task (synthetic, charlm) or module.path:callable")
-    wk.add_argument("--mode", choices=["collaborative", "moshpit"], help="how peers combine their work")
-    wk.add_argument("--initial-peers", nargs="*", metavar="ADDR", help="peers to join through")
-    wk.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    wk.add_argument("--port", type=int, help="port to listen on (default: any free port)")
-    wk.add_argument("--client-mode", action="store_true", default=None, help="accept no connections (behind NAT)")
-    wk.add_argument("--identity", dest="identity_path", metavar="PATH", help="private key file (keeps the peer id)")
-    wk.add_argument("--membership-token", metavar="TOKEN",
-                    help="the run's certificate for this peer's identity (spotswarm token issue)")
-    wk.add_argument("--target-batch-size", type=int, help="global batch per optimizer step (collaborative)")
-    wk.add_argument("--compression", choices=["none", "fp16", "uniform8", "blockwise8"], help="gradient codec")
-    wk.add_argument("--max-epochs", type=int, help="stop after this many global epochs")
-    wk.add_argument("--max-seconds", type=float, help="stop after this many seconds")
-    wk.add_argument("--seed", type=int, help="this peer's data order")
-    wk.add_argument("--report-file", metavar="PATH", help="append one JSON line per epoch")
-    wk.add_argument("--min-peers", type=int, help="wait until this many peers are up before training")
-    wk.add_argument("--moshpit-grid", type=int, nargs="+", metavar="M", help="Moshpit grid, e.g. 2 2 (mode moshpit)")
-    wk.add_argument("--group-size", type=int, help="largest averaging group (default 16)")
-    wk.add_argument("--averaging-period", type=int, help="local steps between Moshpit averaging rounds")
-    wk.set_defaults(func=_worker)
+    sub.add_parser("expert-server", help="host experts for decentralized mixture-of-experts layers",
+                   settings="expert_server_cli", description="Settings come from --config (YAML, keys as the flags "
+                                                             "with underscores); flags override it.")
+    sub.add_parser("worker", help="run one training peer", settings="worker_cli",
+                   description="Settings come from --config (YAML, keys as in workers.peer.WorkerConfig); flags "
+                               "override it. SIGTERM leaves gracefully.")
     from . import token_cli  # argparse only: its work imports lazily like the rest
 
     token_cli.add_parser(sub)

@@ -15,15 +15,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-import yaml
 
 from workers.peer import WorkerConfig
 
+from .config_loader import ConfigError, Loc, ModelFlags, at, describe, read_yaml
+
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """The cluster YAML is invalid; the message lists every problem with its line."""
 
 
 class _Strict(pydantic.BaseModel):
@@ -250,7 +247,8 @@ class TrainingConfig(_Strict):
     averaging: Literal["collaborative", "moshpit"] = "collaborative"
     group_size: int = pydantic.Field(16, ge=2)
     grid: list[int] = [2, 2]
-    compression: Literal["none", "fp16", "uniform8", "blockwise8"] = "none"
+    # "fp16" is the name "float16" had before the codecs were unified: accepted until the next release
+    compression: Literal["none", "float16", "bfloat16", "uniform8", "blockwise8", "fp16"] = "none"
     averaging_timeout_s: float = pydantic.Field(30.0, gt=0)
     min_matchmaking_time_s: float = pydantic.Field(2.0, gt=0)
     param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
@@ -363,10 +361,7 @@ class ClusterConfig(_Strict):
         ``ray.address``), checked as the YAML key is: a bad one is a ConfigError."""
         if address is None:
             return self
-        try:
-            ray_config = RayConfig.model_validate({**self.ray.model_dump(), "address": address})
-        except pydantic.ValidationError as e:
-            raise ConfigError(f"--address: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        ray_config = ModelFlags(RayConfig).load(None, {**self.ray.model_dump(), "address": address})
         return self.model_copy(update={"ray": ray_config})
 
     def fleet_types(self) -> dict[str, NodeType]:
@@ -384,79 +379,6 @@ class ClusterConfig(_Strict):
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
                             moshpit_grid=t.grid, group_size=t.group_size,
                             param_digests=t.param_digests, **extra)
-
-
-# ---- loading with line numbers ---------------------------------------------------------------
-Loc = tuple[str | int, ...]
-
-
-def _line_map(node: yaml.Node, path: tuple = (), out: dict | None = None, seen: set[int] | None = None
-              ) -> dict[tuple, int]:
-    """Where each key path starts in the file (1-based lines), for error messages.  An aliased node
-    is walked once, so recursive or exponential aliases cannot hang the loader."""
-    out = {} if out is None else out
-    seen = set() if seen is None else seen
-    out.setdefault(path, node.start_mark.line + 1)
-    if id(node) in seen:
-        return out
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            if not isinstance(key, yaml.ScalarNode):
-                continue
-            k = key.value
-            out[path + (k,)] = key.start_mark.line + 1
-            _line_map(value, path + (k,), out, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _line_map(item, path + (i,), out, seen)
-    return out
-
-
-def _known_fields(model: type[pydantic.BaseModel], loc: tuple) -> list[str]:
-    """The field names valid at ``loc`` (for did-you-mean on an unknown key)."""
-    current: Any = model
-    for part in loc[:-1]:
-        if isinstance(current, type) and issubclass(current, pydantic.BaseModel):
-            field = current.model_fields.get(str(part))
-            if field is None:
-                return []
-            current = field.annotation
-        elif getattr(current, "__origin__", None) is dict:
-            current = current.__args__[1]
-        else:
-            return []
-    if isinstance(current, type) and issubclass(current, pydantic.BaseModel):
-        return list(current.model_fields)
-    return []
-
-
-def _at(loc: Loc, message: str, lines: dict[tuple, int], source: str) -> str:
-    """``file:line: dotted.key: message``, the line of the nearest key of ``loc`` in the file."""
-    line = lines.get(loc)
-    probe = loc
-    while line is None and probe:
-        probe = probe[:-1]
-        line = lines.get(probe)
-    # a key with a line break or another control character would split the one-line message
-    where = ".".join(str(p) if str(p).isprintable() else repr(p) for p in loc) or "(top level)"
-    if message.startswith(f"{where} "):  # the message names its key already
-        return f"{source}:{line or '?'}: {message}"
-    return f"{source}:{line or '?'}: {where}: {message}"
-
-
-def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
-    loc = tuple(err["loc"])
-    if err["type"] == "extra_forbidden":
-        hint = difflib.get_close_matches(str(loc[-1]), _known_fields(ClusterConfig, loc), n=1)
-        message = "unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
-    elif err["type"] == "missing":
-        message = "required field is missing"
-    else:
-        message = err["msg"].removeprefix("Value error, ")
-        if "input" in err and err["type"] not in ("value_error", "assertion_error"):
-            message += f" (got {err['input']!r})"
-    return _at(loc, message, lines, source)
 
 
 def _node_config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
@@ -629,11 +551,6 @@ def strip_ray_launcher_keys(data: dict) -> tuple[dict, list[tuple[Loc, str]]]:
     return data, found
 
 
-def _raw_provider_type(data: dict) -> Any:
-    provider = data.get("provider", {})
-    return provider.get("type", "local") if isinstance(provider, dict) else None
-
-
 def _warn(messages: list[str], warnings: list[str] | None) -> None:
     """Hand warnings to the caller's list, or to the log when the caller gave none."""
     if warnings is not None:
@@ -649,45 +566,30 @@ def load_cluster_config(path: str | Path, warnings: list[str] | None = None) -> 
     Warnings (a Ray launcher key spotswarm does not use, spot said twice) are ``file:line: key:
     message`` strings too: appended to ``warnings`` when given, else logged; given even when the
     file also has errors."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}:1: a cluster config must be a mapping of sections")
-    lines = _line_map(node) if node is not None else {}
+    data, lines = read_yaml(path, "a cluster config must be a mapping of sections")
     source = str(path)
     data, ray_keys = strip_ray_launcher_keys(data)
-    _warn([_at(loc, message, lines, source) for loc, message in
+    _warn([at(loc, message, lines, source) for loc, message in
            sorted(ray_keys, key=lambda item: lines.get(item[0], 0))], warnings)
     try:
         config = ClusterConfig.model_validate(data)
     except pydantic.ValidationError as e:
         errors = e.errors()
-        problems = [_describe(err, lines, source) for err in errors]
+        problems = [describe(err, ClusterConfig, lines, source) for err in errors]
         # a provider this build cannot run is worth knowing even while other keys are wrong
-        kind = _raw_provider_type(data)
+        provider = data.get("provider", {})
+        kind = provider.get("type", "local") if isinstance(provider, dict) else None
         if isinstance(kind, str) and not any(tuple(err["loc"]) == ("provider", "type") for err in errors):
             from .providers import provider_problem
 
             problem = provider_problem(kind)
             if problem is not None:
-                problems.insert(0, _at(("provider", "type"), problem, lines, source))
+                problems.insert(0, at(("provider", "type"), problem, lines, source))
         raise ConfigError("\n".join(problems)) from None
     except RecursionError:  # a YAML alias that contains itself
         raise ConfigError(f"{path}: a value refers to itself (a recursive YAML alias)") from None
-    _warn([_at(loc, message, lines, source) for loc, message in config_warnings(config)], warnings)
-    problems = [_at(loc, message, lines, source) for loc, message in config_problems(config)]
+    _warn([at(loc, message, lines, source) for loc, message in config_warnings(config)], warnings)
+    problems = [at(loc, message, lines, source) for loc, message in config_problems(config)]
     if problems:
         raise ConfigError("\n".join(problems))
     return config

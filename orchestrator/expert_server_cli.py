@@ -1,7 +1,7 @@
 """``spotswarm expert-server``: host experts for decentralized mixture-of-experts layers.
 
-Settings come from a YAML file (``--config``) whose keys are the fields of
-``experts.config.ExpertServerConfig``; flags given on the command line override them.  The server
+Settings come from ``FLAGS``: a YAML file (``--config``) whose keys are the fields of
+``experts.config.ExpertServerConfig``, and one flag per field over it.  The server
 prints its address, declares its experts in the DHT, and on SIGINT/SIGTERM withdraws them, saves
 checkpoints (with ``--checkpoint-dir``) and exits.
 """
@@ -10,44 +10,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from typing import Any
 
 import uvloop
-import yaml
 
-# Flags whose value maps to a config field of the same name (dashes become underscores).
-CONFIG_FLAGS = (
-    "expert_cls", "hidden_dim", "expert_uids", "expert_pattern", "custom_module", "optimizer", "lr",
-    "optimizer_update_period", "max_grad_norm", "max_batch_size", "batch_timeout", "host", "port", "announce_host",
-    "initial_peers", "no_dht", "identity", "update_period", "expiration", "checkpoint_dir", "checkpoint_period",
-    "max_message_mib", "seed", "num_threads", "membership_token",
-)
+from experts.config import ExpertServerConfig, serve
+
+from .config_loader import ModelFlags
+
+FLAGS = ModelFlags(ExpertServerConfig)
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    """YAML (if any) overridden by every flag that was given; errors name the bad field."""
-    from experts.config import ExpertServerConfig
-
-    data: dict[str, Any] = {}
-    if args.config:
-        with open(args.config) as f:
-            loaded = yaml.safe_load(f) or {}
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"{args.config}: expected a mapping of settings at the top level")
-        data.update(loaded)
-    for name in CONFIG_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None and value is not False:
-            data[name] = value
-    return ExpertServerConfig.model_validate(data)
+def config_from_args(args: argparse.Namespace) -> ExpertServerConfig:
+    """The settings of a parsed command line: ``--config``'s YAML with the flags given over it."""
+    return FLAGS.load(args.config, vars(args))
 
 
-async def _serve(config: Any) -> None:
-    from experts.config import serve
-
+async def _serve(config: ExpertServerConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,7 +43,7 @@ async def _serve(config: Any) -> None:
     await serve(config, stop, ready)
 
 
-def _membership_problem(config: Any) -> str | None:
+def _membership_problem(config: ExpertServerConfig) -> str | None:
     """Why the token cannot make this server a member (checked before anything starts), or None."""
     if not config.membership_token:
         return None
@@ -78,17 +59,7 @@ def _membership_problem(config: Any) -> str | None:
     return None
 
 
-def run_expert_server(args: argparse.Namespace) -> int:
-    # Idle OpenMP threads sleep instead of spinning: the runtime thread's torch work shares the cores with
-    # the event loop (and, on small machines, with other processes).  Must be set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from pydantic import ValidationError
-
-    try:
-        config = config_from_args(args)
-    except ValidationError as e:
-        print(f"invalid expert server settings:\n{e}", file=sys.stderr)
-        return 2
+def run(config: ExpertServerConfig) -> int:
     problem = _membership_problem(config)
     if problem:
         print(f"spotswarm expert-server: membership_token: {problem}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""``spotswarm worker``: run one training peer from a YAML config and/or flags.
+"""``spotswarm worker``: run one training peer, its settings from ``FLAGS`` (a YAML file and/or flags).
 
 SIGTERM (what the orchestrator sends on a preemption notice) and SIGINT make the peer leave
 gracefully; a second signal exits at once.
@@ -10,39 +10,19 @@ import logging
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any
-
-import pydantic
-import yaml
 
 from p2p import P2PError
 from workers.peer import TrainingPeer, WorkerConfig
 
+from .config_loader import ModelFlags
+
 logger = logging.getLogger("spotswarm.worker")
 
-
-def load_config(path: str | None, overrides: dict[str, Any]) -> WorkerConfig:
-    data: dict[str, Any] = {}
-    if path:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: a worker config must be a mapping")
-        data.update(raw)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return WorkerConfig.model_validate(data)
-    except pydantic.ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"invalid worker config{' in ' + path if path else ''}: {problems}") from None
+FLAGS = ModelFlags(WorkerConfig, spellings={"identity_path": "--identity"})  # as the command line always said
 
 
-def run_worker(path: str | None, overrides: dict[str, Any]) -> int:
-    try:
-        config = load_config(path, overrides)
-    except ValueError as e:
-        print(f"spotswarm worker: {e}", file=sys.stderr)
-        return 2
+def run(config: WorkerConfig) -> int:
     try:
         peer = TrainingPeer(config)
     except P2PError as e:

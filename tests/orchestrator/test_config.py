@@ -273,12 +273,12 @@ def test_group_size_reaches_the_workers(tmp_path):
 
 def test_group_size_is_a_worker_flag():
     from orchestrator.cli import build_parser
-    from orchestrator.worker_cli import load_config
+    from orchestrator.worker_cli import FLAGS
 
     args = build_parser().parse_args(["worker", "--group-size", "5"])
-    assert load_config(None, {"group_size": args.group_size}).group_size == 5
-    with pytest.raises(ValueError, match="group_size"):
-        load_config(None, {"group_size": 1})
+    assert FLAGS.load(None, vars(args)).group_size == 5
+    with pytest.raises(ConfigError, match="^--group-size: Input should be greater than or equal to 2"):
+        FLAGS.load(None, {"group_size": 1})
 
 
 def test_a_collaborative_fleet_larger_than_a_group_is_an_error(tmp_path):
