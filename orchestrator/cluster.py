@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import tenacity
@@ -30,11 +31,12 @@ class RayConnectError(RuntimeError):
     """Ray could not be started or joined; the message says what to check."""
 
 
-def _start_ray(address: str | None, num_cpus: int = 2) -> None:
-    """A local Ray session (``address`` None), or the existing cluster at ``address``."""
+def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "spotswarm") -> None:
+    """A local Ray session (``address`` None), or the existing cluster at ``address``; the one way
+    the CLI and the tests start Ray."""
     import ray
 
-    options = dict(include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="spotswarm")
+    options = dict(include_dashboard=False, log_to_driver=False, configure_logging=False, namespace=namespace)
     if address is None:
         options.update(address="local", num_cpus=num_cpus)  # "local": never a cluster left over on this box
     else:
@@ -86,19 +88,22 @@ def _with_absolute_paths(config: ClusterConfig) -> ClusterConfig:
                                      "runs_dir": str(Path(config.runs_dir).resolve())})
 
 
-def _status_table(status: dict) -> Table:
-    table = Table(title=f"spotswarm run {status['cluster']} — {status['status']}", min_width=60)
+def _figures_table(title: str, h: figures.Headline) -> Table:
+    table = Table(title=title)
     table.add_column("figure")
     table.add_column("value", justify="right")
-    loss = status.get("loss")
-    sps = status.get("samples_per_second")
-    table.add_row("instances live / pending", f"{status['live']} / {status['pending']}")
-    table.add_row("global epoch", str(status["epoch"]))
-    table.add_row("loss", f"{loss:.4f}" if loss is not None else "-")
-    table.add_row("samples/s", f"{sps:,.0f}" if sps else "-")
-    table.add_row("preemptions survived", str(status["preemptions"]))
-    table.add_row("dollars spent", f"${status['dollars']:.4f}")
-    table.add_row("same hours on demand", f"${status['on_demand_dollars']:.4f}")
+    for label, value in figures.headline_rows(h):
+        table.add_row(label, value)
+    return table
+
+
+def _live_table(store: RunStore, status: dict) -> Table:
+    """The run's headline figures (those of ``status`` and the dashboard), under what the
+    supervisor is doing, and with the instances it is still waiting for."""
+    h = figures.headline(store, figures.run_now(store, live=True), live=True)
+    table = _figures_table(f"spotswarm run {h.cluster} — {status['status']}", h)
+    table.add_row("instances pending", str(status["pending"]))
+    table.min_width = 60  # steady while the values change
     return table
 
 
@@ -113,7 +118,7 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     supervisor = None
     try:
-        _start_ray(config.ray.address)
+        start_ray(config.ray.address)
         name = f"supervisor-{config.cluster_name}"
         try:
             ray.get_actor(name)
@@ -136,7 +141,8 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
         started = time.monotonic()
         status = ray.get(supervisor.status.remote(), timeout=60)
         seen = 0
-        with Live(_status_table(status), console=console, refresh_per_second=2, transient=False) as live:
+        with (closing(RunStore.open(run_dir)) as store,
+              Live(_live_table(store, status), console=console, refresh_per_second=2, transient=False) as live):
             while not stop.is_set():
                 if duration is not None and time.monotonic() - started >= duration:
                     break
@@ -146,7 +152,7 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
                 for line in status["fleet_events"][-fresh:] if fresh > 0 else []:
                     console.print(line)
                 seen = status["fleet_events_total"]
-                live.update(_status_table(status))
+                live.update(_live_table(store, status))
                 if status["budget_exhausted"] or status.get("fatal"):
                     break
         if not console.is_terminal:
@@ -166,22 +172,14 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
 
 def headline(run_dir: Path) -> figures.Headline:
     """The run's headline figures, live or finished (the same ones the dashboard shows)."""
-    store = RunStore.open(run_dir)
-    try:
+    with closing(RunStore.open(run_dir)) as store:
         live = figures.is_live(run_dir)
         return figures.headline(store, figures.run_now(store, live), live)
-    finally:
-        store.close()
 
 
 def print_summary(run_dir: Path, console: Console) -> None:
     h = headline(run_dir)
-    table = Table(title=f"run {h.cluster}: summary")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for label, value in figures.headline_rows(h):
-        table.add_row(label, value)
-    console.print(table)
+    console.print(_figures_table(f"run {h.cluster}: summary", h))
 
 
 def preflight(config: ClusterConfig) -> None:
@@ -207,8 +205,7 @@ def up(config_path: str, duration: float | None, console: Console, address: str 
     config = load_cluster_config(config_path)  # ConfigError before anything starts
     config = config.with_ray_address(address)
     preflight(config)
-    store = RunStore.create(config)
-    store.close()
+    RunStore.create(config).close()
     run_dir = config.run_dir()
     status = run_foreground(config, run_dir, duration, console)
     return finish(status, run_dir, console)
@@ -258,11 +255,10 @@ def restore_run(config: ClusterConfig, run_dir: Path) -> int | None:
 def resume(target: str, duration: float | None, console: Console, address: str | None = None) -> int:
     """Continue a run from a run directory or a cluster YAML (see ``resume_target``)."""
     path = resume_target(target, console)
-    store = RunStore.open(path)
-    config = store.config().with_ray_address(address)
-    latest = store.latest_checkpoint()
-    store.event("resume", detail={"checkpoint_epoch": latest[0] if latest else None})
-    store.close()
+    with closing(RunStore.open(path)) as store:
+        config = store.config().with_ray_address(address)
+        latest = store.latest_checkpoint()
+        store.event("resume", detail={"checkpoint_epoch": latest[0] if latest else None})
     console.print(f"resuming {config.cluster_name} from checkpoint epoch {latest[0] if latest else 'none'}")
     run_foreground(config, path, duration, console)
     print_summary(path, console)
@@ -352,15 +348,14 @@ def _down_run(run_dir: str, console: Console, address: str | None = None) -> int
 
 
 def _down_detached(run_dir: Path, console: Console, address: str | None) -> int:
-    store = RunStore.open(run_dir)
-    config = store.config().with_ray_address(address)
-    store.close()
+    with closing(RunStore.open(run_dir)) as store:
+        config = store.config().with_ray_address(address)
     if config.ray.address is None:  # a local session ends with its command: nothing can be running
         console.print(f"{run_dir}: not running (its data is kept)")
         return 0
     import ray
 
-    _start_ray(config.ray.address)
+    start_ray(config.ray.address)
     try:
         supervisor = ray.get_actor(f"supervisor-{config.cluster_name}")
     except ValueError:

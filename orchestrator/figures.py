@@ -1,6 +1,7 @@
 """The figures of a run, computed from its store alone: headline numbers, time series, the
 instance table and the cost breakdown.  The dashboard, its JSON API, ``/metrics``, the static
-report and ``spotswarm status`` all read them from here, so they always agree.
+report, ``spotswarm status`` and the live table of ``spotswarm up`` all read them from here, so
+they always agree.
 
 Times are the run's own clock (simulated seconds with the local provider); series are in seconds
 since the run's first record.  Cost is per-second billing: instance-seconds × the instance's
@@ -246,13 +247,15 @@ class Chart:
         return sum(len(tr.t) for tr in self.traces)
 
 
-def _cumulative(name: str, times: list[float], start: float, now: float) -> Trace:
-    trace = Trace(name, [0.0], [0.0], step=True)
-    for n, t in enumerate(sorted(times), 1):
+def _steps(name: str, changes: list[tuple[float, int]], start: float, now: float) -> Trace:
+    """A count from 0 that changes by each ``(time, delta)``, held until ``now``."""
+    trace, count = Trace(name, [0.0], [0.0], step=True), 0
+    for t, delta in sorted(changes):
+        count += delta
         trace.t.append(t - start)
-        trace.y.append(float(n))
+        trace.y.append(float(count))
     trace.t.append(now - start)
-    trace.y.append(trace.y[-1])
+    trace.y.append(float(count))
     return trace
 
 
@@ -263,17 +266,7 @@ def _live_by_group(instances: list[InstanceRecord], start: float, now: float) ->
         changes.setdefault(name, []).append((i.launched_at, 1))
         if i.ended_at is not None:
             changes[name].append((i.ended_at, -1))
-    traces = []
-    for name in sorted(changes):
-        trace, count = Trace(name, [0.0], [0.0], step=True), 0
-        for t, delta in sorted(changes[name]):
-            count += delta
-            trace.t.append(t - start)
-            trace.y.append(float(count))
-        trace.t.append(now - start)
-        trace.y.append(float(count))
-        traces.append(trace)
-    return traces
+    return [_steps(name, changes[name], start, now) for name in sorted(changes)]
 
 
 def charts(store: RunStore, now: float) -> list[Chart]:
@@ -300,9 +293,9 @@ def charts(store: RunStore, now: float) -> list[Chart]:
         Chart("instances", "Live instances by node type and zone", "instances",
               _live_by_group(instances, start, now)),
         Chart("preemptions", "Preemptions and replacements", "count (cumulative)", [
-            _cumulative("preemptions", [i.ended_at for i in instances
-                                        if i.end_reason == "preempted" and i.ended_at is not None], start, now),
-            _cumulative("replacements", [i.launched_at for i in replacements(instances)], start, now)]),
+            _steps("preemptions", [(i.ended_at, 1) for i in instances
+                                   if i.end_reason == "preempted" and i.ended_at is not None], start, now),
+            _steps("replacements", [(i.launched_at, 1) for i in replacements(instances)], start, now)]),
         Chart("dollars", "Cumulative dollars", "$", [Trace("spot fleet", rel, spot),
                                                      Trace("same instance-hours on demand", rel, on_demand)]),
         Chart("dollars_per_million", "Dollars per million samples", "$ / 1M samples", [per_million]),

@@ -35,7 +35,7 @@ from .notices import instance_watch
 from .policy import FleetPolicy
 from .providers import Instance, LaunchSpec, make_provider
 from .ray_workers import RayWorkers, announce_host
-from .run_store import RunStore, summarize_costs
+from .run_store import RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -352,17 +352,12 @@ class SupervisorCore:
 
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
-        now = self.clock()
-        costs = summarize_costs(self.store, now)
-        rows = self.store.progress_rows()
+        """What the fleet is doing; the run's figures are ``figures.py``'s, read from the store."""
         policy = self.policy
         return {
-            "cluster": self.config.cluster_name, "status": policy.status_text, "time": now,
+            "cluster": self.config.cluster_name, "status": policy.status_text, "time": self.clock(),
             "live": len(policy.live), "pending": len(policy.pending) + policy.launching, "epoch": self.epoch,
-            "loss": rows[-1][2] if rows else None, "samples_per_second": rows[-1][3] if rows else None,
-            "peers": rows[-1][4] if rows else 0, "dollars": costs.dollars, "on_demand_dollars": costs.on_demand_dollars,
-            "preemptions": costs.preemptions, "samples": costs.samples, "address": self.address,
-            "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
+            "address": self.address, "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
             "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
         }
 

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import (
     NotAMember,
@@ -28,12 +28,12 @@ from .errors import (
     ResourceExhausted,
     RPCTimeout,
 )
-from .identity import PeerID, verify
-from .wire import Decoder
+from .identity import Identity, PeerID, verify
+from .limits import Limits
+from .wire import Decoder, Encoder, FrameBudget
 
 if TYPE_CHECKING:
-    from .membership import Certificate
-    from .node import P2P
+    from .membership import Certificate, Membership
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,30 @@ _WRITE_HIGH_WATER = 256 * 1024
 
 class Retry(PeerUnreachable):
     """The peer announced it would not process this call (GOAWAY); safe to retry elsewhere."""
+
+
+class ConnectionHost(Protocol):
+    """What a connection needs of the peer that owns it (``P2P``): who it is, its settings, and the
+    hooks by which it joins and leaves the peer's pools and budgets and hands over the calls it gets."""
+
+    loop: asyncio.AbstractEventLoop
+    identity: Identity
+    client_mode: bool
+    limits: Limits
+    encoder: Encoder
+    frame_budget: FrameBudget
+    membership: Membership | None
+    _certificate_bytes: bytes | None  # ours, as the run's authority issued it last
+
+    @property
+    def listen_address_str(self) -> str | None: ...
+    def _attach(self, conn: Connection) -> bool: ...  # False: refuse it (past max_half_open)
+    def _leave_half_open(self, conn: Connection) -> None: ...
+    def _register(self, conn: Connection) -> None: ...  # ready: the pooled connection to its peer
+    def _unregister(self, conn: Connection) -> None: ...  # going away: no new calls on it
+    def _forget(self, conn: Connection) -> None: ...  # closed
+    def _budget_blocked(self) -> None: ...
+    def _start_handler(self, conn: Connection, sid: int, method: str, h: dict, size: int) -> None: ...
 
 
 class Stream:
@@ -130,7 +154,7 @@ class Stream:
 class Connection(asyncio.BufferedProtocol):
     # Slots: thousands of connections (most of them strangers' in the handshake) stay small.
     __slots__ = (
-        "node", "loop", "limits", "decoder", "dialer", "expected_peer", "transport", "remote_addr",
+        "host", "loop", "limits", "encoder", "decoder", "dialer", "expected_peer", "transport", "remote_addr",
         "remote_id", "remote_client_mode", "remote_listen", "remote_certificate", "ready", "is_ready",
         "closed_future", "streams", "handlers", "closed", "close_reason", "going_away", "remote_goaway",
         "last_activity", "bytes_in", "half_open", "_handshake_timer", "_sent_certificate", "_nonce",
@@ -138,11 +162,12 @@ class Connection(asyncio.BufferedProtocol):
         "_budget_paused", "_transport_paused", "_write_paused", "_drain_waiters",
     )
 
-    def __init__(self, node: P2P, dialer: bool, expected_peer: PeerID | None = None) -> None:
-        self.node = node
-        self.loop = node.loop
-        self.limits = node.limits
-        self.decoder = Decoder(node.limits, node.frame_budget, handshake=True)
+    def __init__(self, host: ConnectionHost, dialer: bool, expected_peer: PeerID | None = None) -> None:
+        self.host = host
+        self.loop = host.loop
+        self.limits = host.limits
+        self.encoder = host.encoder
+        self.decoder = Decoder(host.limits, host.frame_budget, handshake=True)
         self.decoder.on_granted = self._on_budget_granted
         self.dialer = dialer
         self.expected_peer = expected_peer
@@ -163,7 +188,7 @@ class Connection(asyncio.BufferedProtocol):
         self.remote_goaway: int | None = None
         self.last_activity = self.loop.time()
         self.bytes_in = 0  # for the frame-budget stall rule
-        self.half_open = False  # counted in the node's accepted-but-not-ready connections
+        self.half_open = False  # counted in the peer's accepted-but-not-ready connections
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._sent_certificate: bytes | None = None
         self._nonce = os.urandom(16)
@@ -173,7 +198,7 @@ class Connection(asyncio.BufferedProtocol):
         self._max_remote_sid = 0
         self._buffered = 0
         self._reading_paused = False  # flow control: our side has not consumed enough
-        self._budget_paused = False  # a message waits for the node's frame budget
+        self._budget_paused = False  # a message waits for the peer's frame budget
         self._transport_paused = False
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future] = []
@@ -182,20 +207,19 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.remote_addr = transport.get_extra_info("peername")
-        if not self.dialer and not self.node._admit_half_open(self):
+        if not self.host._attach(self):
             self.closed = True
             self.close_reason = f"over max_half_open={self.limits.max_half_open}"
             transport.abort()  # connection_lost follows; nothing was allocated for it yet
             return
-        self.node._track(self)
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER, low=0)
         self._handshake_timer = self.loop.call_later(self.limits.handshake_timeout, self._handshake_expired)
-        me = self.node.identity
-        hello = {"t": HELLO, "s": 0, "v": VERSION, "pk": me.public_key, "n": self._nonce,
-                 "c": int(self.node.client_mode), "l": self.node.listen_address_str}
-        if self.node.membership is not None:
-            hello["m"] = self._sent_certificate = self.node._certificate_bytes
-        self._write(self.node.encoder.encode(hello))
+        host = self.host
+        hello = {"t": HELLO, "s": 0, "v": VERSION, "pk": host.identity.public_key, "n": self._nonce,
+                 "c": int(host.client_mode), "l": host.listen_address_str}
+        if host.membership is not None:
+            hello["m"] = self._sent_certificate = host._certificate_bytes
+        self._write(self.encoder.encode(hello))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer()
@@ -227,7 +251,7 @@ class Connection(asyncio.BufferedProtocol):
         if decoder.blocked and not self._budget_paused:
             self._budget_paused = True
             self._update_reading()
-            self.node._budget_blocked()
+            self.host._budget_blocked()
 
     def _on_budget_granted(self) -> None:
         # Called from inside whichever decoder released budget: continue on a fresh stack.
@@ -275,7 +299,7 @@ class Connection(asyncio.BufferedProtocol):
             self.closed = True
             self.close_reason = self.close_reason or (f"connection lost: {exc}" if exc else "closed by peer")
         self._fail_everything()
-        self.node._forget(self)
+        self.host._forget(self)
         if not self.closed_future.done():
             self.closed_future.set_result(None)
 
@@ -289,7 +313,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def send_nowait(self, header: dict) -> None:
         """Encode and queue a message (EncodeError goes to the caller; nothing is sent then)."""
-        bufs = self.node.encoder.encode(header)
+        bufs = self.encoder.encode(header)
         if self.closed:
             raise PeerUnreachable(self._unreachable_text())
         self.last_activity = self.loop.time()
@@ -375,7 +399,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError(f"unknown message kind {kind}")
 
     def _on_handshake(self, kind: int, h: dict) -> None:
-        me = self.node.identity
+        me = self.host.identity
         if kind == HELLO:
             pk, nonce = h.get("pk"), h.get("n")
             if self._remote_pk or not isinstance(pk, bytes) or len(pk) != 32 \
@@ -390,7 +414,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._fail_ready(PeerIDMismatch(
                     f"{self.remote_addr} is {self.remote_id}, expected {self.expected_peer}"))
                 return
-            membership = self.node.membership
+            membership = self.host.membership
             if membership is not None:
                 # Checked against the key HELLO names; PROOF below must then prove that key.
                 try:
@@ -399,7 +423,7 @@ class Connection(asyncio.BufferedProtocol):
                     self._refuse(str(e))
                     return
             sig = me.sign(_HANDSHAKE_CONTEXT + nonce + me.public_key)
-            self._write(self.node.encoder.encode({"t": PROOF, "s": 0, "sig": sig}))
+            self._write(self.encoder.encode({"t": PROOF, "s": 0, "sig": sig}))
             return
         sig = h.get("sig")
         if not self._remote_pk or self.ready.done() or not isinstance(sig, bytes):
@@ -411,8 +435,8 @@ class Connection(asyncio.BufferedProtocol):
         self.is_ready = True
         self._end_handshake()
         self.decoder.handshake_done()
-        self.node._register(self)
-        current = self.node._certificate_bytes
+        self.host._register(self)
+        current = self.host._certificate_bytes
         if current is not None and current is not self._sent_certificate:
             self.send_renew(current)  # renewed while this handshake was under way
 
@@ -420,13 +444,17 @@ class Connection(asyncio.BufferedProtocol):
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
             self._handshake_timer = None
-        self.node._leave_half_open(self)
+        self.host._leave_half_open(self)
 
     def _fail_ready(self, exc: Exception, level: int = logging.WARNING) -> None:
+        self._not_ready(exc)
+        self.abort(str(exc), level)
+
+    def _not_ready(self, exc: Exception) -> None:
+        """The handshake failed with ``exc``, unless it already ended."""
         if not self.ready.done():
             self.ready.set_exception(exc)
             self.ready.exception()  # mark retrieved: the dialer may have given up already
-        self.abort(str(exc), level)
 
     # ---- membership ------------------------------------------------------------------------
     def _refuse(self, reason: str) -> None:
@@ -434,9 +462,7 @@ class Connection(asyncio.BufferedProtocol):
         who = self.remote_id or self.remote_addr
         logger.info("refusing %s at %s: %s", who, self.remote_addr, reason)
         self._send_quiet(_error_header(0, "NotAMember", reason))
-        if not self.ready.done():
-            self.ready.set_exception(NotAMember(f"{who} is not a member: {reason}"))
-            self.ready.exception()
+        self._not_ready(NotAMember(f"{who} is not a member: {reason}"))
         self.close(f"not a member: {reason}")  # close, not abort: the error is flushed first
 
     def _on_refused(self, h: dict) -> None:
@@ -444,14 +470,11 @@ class Connection(asyncio.BufferedProtocol):
         type_name, message = str(h.get("x", "")), str(h.get("msg", ""))[:1000]
         reason = f"refused by {self.remote_id or self.remote_addr}: {message}"
         logger.info("%s (%s)", reason, type_name)
-        if not self.ready.done():
-            exc = NotAMember(reason) if type_name == "NotAMember" else PeerUnreachable(f"{reason} ({type_name})")
-            self.ready.set_exception(exc)
-            self.ready.exception()
+        self._not_ready(NotAMember(reason) if type_name == "NotAMember" else PeerUnreachable(f"{reason} ({type_name})"))
         self.close(reason)
 
     def _on_renew(self, h: dict) -> None:
-        membership = self.node.membership
+        membership = self.host.membership
         if membership is None:
             return  # open mode never asked for a certificate
         assert self.remote_id is not None
@@ -467,7 +490,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _remote_membership_lapsed(self) -> str | None:
         """Why the remote's certificate no longer makes it a member, or None while it does."""
-        cert, membership = self.remote_certificate, self.node.membership
+        cert, membership = self.remote_certificate, self.host.membership
         if cert is None or membership is None:
             return None
         now = membership.clock()
@@ -494,13 +517,13 @@ class Connection(asyncio.BufferedProtocol):
             self._send_quiet(_error_header(sid, "ResourceExhausted",
                                            f"too many concurrent streams (max_streams={self.limits.max_streams})"))
             return
-        self.node._start_handler(self, sid, method, h, size)
+        self.host._start_handler(self, sid, method, h, size)
 
     def _on_goaway(self, h: dict) -> None:
         last = h.get("l")
         self.remote_goaway = last if isinstance(last, int) else 0
         self.going_away = True
-        self.node._unregister(self)
+        self.host._unregister(self)
         for sid, stream in list(self.streams.items()):
             if sid % 2 == self._next_sid % 2 and sid > self.remote_goaway:
                 stream.push_error(Retry(f"{self.remote_id} closed the connection before processing the call"))
@@ -552,7 +575,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.going_away = True
-        self.node._unregister(self)
+        self.host._unregister(self)
         self._send_quiet({"t": GOAWAY, "s": 0, "l": self._max_remote_sid})
         self.close("idle")
 
@@ -580,14 +603,10 @@ class Connection(asyncio.BufferedProtocol):
         self._end_handshake()
         self.decoder.close()
         self.decoder.on_granted = None  # no cycle through the decoder once closed
-        if not self.ready.done():
-            self.ready.set_exception(PeerUnreachable(self._unreachable_text()))
-            self.ready.exception()
-        for sid, stream in list(self.streams.items()):
-            if self.remote_goaway is not None and sid % 2 == self._next_sid % 2 and sid > self.remote_goaway:
-                stream.push_error(Retry(self._unreachable_text()))
-            else:
-                stream.push_error(PeerUnreachable(self._unreachable_text()))
+        self._not_ready(PeerUnreachable(self._unreachable_text()))
+        for sid, stream in list(self.streams.items()):  # ours past the remote's GOAWAY were never processed
+            unprocessed = self.remote_goaway is not None and sid % 2 == self._next_sid % 2 and sid > self.remote_goaway
+            stream.push_error((Retry if unprocessed else PeerUnreachable)(self._unreachable_text()))
         for task in list(self.handlers.values()):
             task.cancel(f"connection closed: {self.close_reason}")
         for w in self._drain_waiters:

@@ -398,21 +398,16 @@ class P2P:
     async def _connection(self, peer: PeerLike, deadline: float) -> Connection:
         if self._closed:
             raise PeerUnreachable("this peer is shut down")
-        if isinstance(peer, PeerID):
-            conn = self._by_peer.get(peer)
-            if conn is None or conn.closed or conn.going_away:
-                raise PeerUnreachable(f"no connection to {peer} and no address to dial")
+        conn = self._cached_connection(peer)
+        if conn is not None:
             return conn
+        if isinstance(peer, PeerID):
+            raise PeerUnreachable(f"no connection to {peer} and no address to dial")
         addr = PeerAddress.parse(peer)
-        if addr.peer_id is not None:
-            conn = self._by_peer.get(addr.peer_id)
-            if conn is not None and not conn.closed and not conn.going_away:
-                return conn
         key = (addr.host, addr.port)
-        conn = self._by_addr.get(key)
-        if conn is not None and not conn.closed and not conn.going_away:
-            if addr.peer_id is None or conn.remote_id == addr.peer_id:
-                return conn
+        conn = self._by_addr.get(key)  # with a peer id: the address's connection may prove it already
+        if conn is not None and not conn.closed and not conn.going_away and conn.remote_id == addr.peer_id:
+            return conn
         pending = self._dialing.get(key)
         if pending is None:
             pending = self.loop.create_task(self._dial(addr, deadline))
@@ -451,10 +446,27 @@ class P2P:
             raise
         return conn
 
-    def _track(self, conn: Connection) -> None:
+    def _attach(self, conn: Connection) -> bool:
+        """Pool a new connection; an accepted one counts as half-open until its handshake ends, and
+        is refused (False) past max_half_open."""
+        if conn.dialer:
+            self._connections.add(conn)
+            self._evict_if_over(conn)  # an accepted connection counts once its handshake proved who it is
+            return True
+        if self._half_open >= self.limits.max_half_open or self._closed:
+            self._refused_half_open += 1
+            now = self.loop.time()
+            if now - self._last_refusal_log >= _REFUSAL_LOG_PERIOD:
+                logger.warning("%s: %d accepted connections have not finished the handshake "
+                               "(max_half_open=%d): refusing new ones (%d since the last report)",
+                               self, self._half_open, self.limits.max_half_open, self._refused_half_open)
+                self._last_refusal_log = now
+                self._refused_half_open = 0
+            return False
+        self._half_open += 1
+        conn.half_open = True
         self._connections.add(conn)
-        if conn.dialer:  # an accepted connection counts once its handshake proved who it is
-            self._evict_if_over(conn)
+        return True
 
     def _evict_if_over(self, exclude: Connection) -> None:
         """Over max_connections: close the least recently active idle connections (never busy ones).
@@ -469,22 +481,6 @@ class P2P:
                       key=lambda c: c.last_activity)
         for conn in idle[:excess]:
             conn.goaway()
-
-    def _admit_half_open(self, conn: Connection) -> bool:
-        """Count an accepted connection until its handshake ends; False (refuse it) past max_half_open."""
-        if self._half_open >= self.limits.max_half_open or self._closed:
-            self._refused_half_open += 1
-            now = self.loop.time()
-            if now - self._last_refusal_log >= _REFUSAL_LOG_PERIOD:
-                logger.warning("%s: %d accepted connections have not finished the handshake "
-                               "(max_half_open=%d): refusing new ones (%d since the last report)",
-                               self, self._half_open, self.limits.max_half_open, self._refused_half_open)
-                self._last_refusal_log = now
-                self._refused_half_open = 0
-            return False
-        self._half_open += 1
-        conn.half_open = True
-        return True
 
     def _leave_half_open(self, conn: Connection) -> None:
         if conn.half_open:

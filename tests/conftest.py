@@ -64,16 +64,9 @@ def wait_for():
 def ray_session(request):
     """One local Ray for a test module (about 9 s to start); Ray is imported only by modules that use it."""
     ray = pytest.importorskip("ray")
-    for attempt in range(3):
-        try:
-            # address="local": a session of our own, never a cluster some other process left behind
-            ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
-                     namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")
-            break
-        except Exception:
-            if attempt == 2:
-                raise
-            time.sleep(1)  # a retry after a failed start, not synchronization
+    from orchestrator.cluster import start_ray
+
+    start_ray(namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")
     yield
     ray.shutdown()
 

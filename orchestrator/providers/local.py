@@ -203,8 +203,10 @@ def _alive(pid: int) -> bool:
     """Running, and not a zombie (dead for our purposes)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+    except psutil.NoSuchProcess:  # ZombieProcess is one too
         return False
+    except psutil.AccessDenied:  # not ours to inspect, but there
+        return True
 
 
 def _read_trace(path: str) -> list[tuple[float | None, float | None]]:

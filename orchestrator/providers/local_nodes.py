@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -84,10 +85,8 @@ def node_alive(leader: int) -> bool:
 
 def kill_node(leader: int, sig: int) -> None:
     for pid in _node_pids(leader):
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 class LocalNodeProvider(SimulatedMarket, NodeProvider):
@@ -229,10 +228,8 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
     def terminate(self, instance: Instance) -> None:
         """Stop the node (``ray start --block`` stops its processes on SIGTERM), then make sure."""
         leader = instance.handle
-        try:
+        with suppress(ProcessLookupError):
             os.kill(leader, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + self.stop_timeout
         while node_alive(leader) and time.monotonic() < deadline:
             time.sleep(0.1)  # waiting for processes to exit, bounded
