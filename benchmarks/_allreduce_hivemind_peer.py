@@ -10,36 +10,18 @@ RSS it reports covers every process of this peer's tree (each one's VmHWM, summe
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import resource
 import sys
 import time
-import zlib
 
-import numpy as np
 import torch
-from _procs import descendants
+from _allreduce_vector import describe, fill, sample_indices
+from _common import cpu_seconds, descendants, emit
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
-
-
-def emit(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def sample_indices(size: int, count: int = 256) -> np.ndarray:
-    rng = np.random.default_rng(12345)
-    return np.unique(np.concatenate([rng.integers(0, size, count), [0, size - 1]]))
-
-
-def describe(tensor: torch.Tensor, idx: np.ndarray) -> dict:
-    arr = tensor.numpy()
-    return {"samples": arr[idx].astype(np.float64).tolist(), "sum": float(arr.sum(dtype=np.float64)),
-            "crc": zlib.crc32(memoryview(arr).cast("B"))}
 
 
 def hwm_kb(pid: int) -> int:
@@ -55,15 +37,7 @@ def hwm_kb(pid: int) -> int:
 
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of this process and every live descendant."""
-    ticks = 0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds([pid, *descendants(pid)])
 
 
 def main() -> None:
@@ -80,7 +54,7 @@ def main() -> None:
 
     idx = sample_indices(args.size)
     tensor = torch.empty(args.size, dtype=torch.float32)
-    tensor.normal_(generator=torch.Generator().manual_seed(args.seed))
+    fill(tensor, args.seed)
     emit({"hello": os.getpid()})
     cmd = (sys.stdin.readline().split() or ["quit"])
     if cmd[0] != "init":
@@ -100,7 +74,7 @@ def main() -> None:
             if cmd[0] == "prep":
                 rnd = int(cmd[1])
                 with averager.get_tensors() as tensors:
-                    tensors[0].normal_(generator=torch.Generator().manual_seed(args.seed + 1000 * (rnd + 1)))
+                    fill(tensors[0], args.seed + 1000 * (rnd + 1))
                     info = describe(tensors[0], idx)
                 emit({"prepped": rnd, **info})
             elif cmd[0] == "go":

@@ -12,44 +12,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import resource
 import sys
 import time
-import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import uvloop  # noqa: E402
+from _allreduce_vector import describe, fill, sample_indices  # noqa: E402
+from _common import emit  # noqa: E402
 
 from averaging import DecentralizedAverager  # noqa: E402
 from dht import DHTNode  # noqa: E402
-
-
-def emit(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def sample_indices(size: int, count: int = 256) -> np.ndarray:
-    """The same indices in every peer and in the parent: random ones plus both ends."""
-    rng = np.random.default_rng(12345)
-    return np.unique(np.concatenate([rng.integers(0, size, count), [0, size - 1]]))
-
-
-def fill(tensor: torch.Tensor, seed: int) -> None:
-    tensor.normal_(generator=torch.Generator().manual_seed(seed))
-
-
-def describe(tensor: torch.Tensor, idx: np.ndarray) -> dict:
-    arr = tensor.numpy()
-    return {"samples": arr[idx].astype(np.float64).tolist(), "sum": float(arr.sum(dtype=np.float64)),
-            "crc": zlib.crc32(memoryview(arr).cast("B"))}
-
 
 DIAG: dict[str, list[float]] = {}
 
@@ -82,15 +59,7 @@ def instrument() -> None:
     timed(Matchmaker, "_lead")
     timed(Matchmaker, "_follow")
     timed(AllReduceRound, "__init__", is_async=False)
-    original_store = DHTNode.store
-
-    async def store(self, *a, **kw):
-        t0 = time.monotonic()
-        try:
-            return await original_store(self, *a, **kw)
-        finally:
-            DIAG.setdefault("store", []).append(time.monotonic() - t0)
-    DHTNode.store = store
+    timed(DHTNode, "store")
 
 
 class MemoryWatch:

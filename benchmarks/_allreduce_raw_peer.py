@@ -16,7 +16,6 @@ Protocol with the parent (lines on stdin, one JSON object per line on stdout): i
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import socket
 import sys
@@ -24,11 +23,7 @@ import threading
 import time
 
 import numpy as np
-
-
-def emit(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+from _common import emit
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

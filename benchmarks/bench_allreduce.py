@@ -25,24 +25,32 @@ all-reduce times are the slowest peer's ``StepResult.matchmaking_time`` / ``allr
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import queue
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from _procs import close_pipes
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from _common import (
+    BENCH_PY,
+    HERE,
+    HIVEMIND_MISSING,
+    ONE_THREAD_ENV,
+    ROOT,
+    Child,
+    ChildFailed,
+    PeakSampler,
+    descendants,
+    exit_on_sigterm,
+    fmt,
+    median,
+    print_json,
+    print_table,
+    stop_all,
+)
 
 
 def _load_balancing():
@@ -62,140 +70,21 @@ optimal_shares, part_sizes = _lb.optimal_shares, _lb.part_sizes
 PEER = os.path.join(HERE, "_allreduce_peer.py")
 RAW_PEER = os.path.join(HERE, "_allreduce_raw_peer.py")
 HIVEMIND_PEER = os.path.join(HERE, "_allreduce_hivemind_peer.py")
-BENCH_PY = os.path.join(ROOT, ".bench-venv", "bin", "python")
 M = 1_000_000
 NS = "arbench-"  # every namespace this benchmark creates starts with this
 SUBNET = "10.77.0"
-# One thread per peer process: N peers share this machine's cores, on a real swarm each has its own.
-PEER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-class PeerFailed(RuntimeError):
-    pass
-
-
-# ---- child processes ---------------------------------------------------------------------------
-class Child:
-    """A child process in its own session: JSON lines out, command lines in, killed as a group."""
-
-    def __init__(self, name: str, argv: Sequence[str]) -> None:
-        self.name = name
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, env=PEER_ENV, start_new_session=True, cwd=ROOT)
-        self.messages: queue.Queue = queue.Queue()
-        self.noise: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                self.noise.append(line.rstrip())
-                continue
-            self.messages.put(obj)
-        self.messages.put(None)  # EOF
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise PeerFailed(f"{self.name}: cannot write to it ({e}){self.tail()}") from None
-
-    def recv(self, key: str, deadline: float) -> dict:
-        """The next message that has ``key``; PeerFailed on timeout or exit."""
-        while True:
-            try:
-                obj = self.messages.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise PeerFailed(f"{self.name}: no '{key}' message in time{self.tail()}") from None
-            if obj is None:
-                self.messages.put(None)
-                raise PeerFailed(f"{self.name}: exited (rc={self.proc.poll()}) before '{key}'{self.tail()}")
-            if key in obj:
-                return obj
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            self.stderr.seek(0)
-            lines = self.stderr.read().splitlines()[-n:] + self.noise[-5:]
-        except (OSError, ValueError):
-            lines = []
-        return ("\n    " + "\n    ".join(lines)) if lines else ""
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: hivemind's daemons die with it
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        close_pipes(self.proc)
-        self.stderr.close()
-
-
-def close_all(children: list[Child], deadline: float) -> None:
-    """Ask every child to quit, wait until ``deadline``, then kill whatever (and whoever) is left."""
-    for c in children:
-        if c.proc.poll() is None:
-            try:
-                c.send("quit")
-            except PeerFailed:
-                pass
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            pass
-        c.kill()
 
 
 def tree_pss_kb(pids: Sequence[int]) -> int:
     """Sum of Pss over the processes and all their descendants (shared pages counted once)."""
-    total, todo, seen = 0, list(pids), set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    total = 0
+    for p in {q for pid in pids for q in [pid, *descendants(pid)]}:
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1])
-                        break
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(x) for x in f.read().split())
+                total += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
         except (OSError, ValueError):
             pass
     return total
-
-
-class PssSampler:
-    """Samples the summed PSS of the peers' process trees every ``period`` seconds; keeps the peak."""
-
-    def __init__(self, pids: Sequence[int], period: float = 0.1) -> None:
-        self.pids, self.period, self.peak_kb = list(pids), period, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.peak_kb = max(self.peak_kb, tree_pss_kb(self.pids))
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        return self.peak_kb
 
 
 # ---- averaging runs (ours or hivemind) ---------------------------------------------------------
@@ -211,8 +100,7 @@ class AvgRun:
     part_sizes: list[int] = field(default_factory=list)
 
     def median(self, key: str) -> float | None:
-        values = [r[key] for r in self.rounds if r.get("ok")]
-        return statistics.median(values) if values else None
+        return median([r[key] for r in self.rounds if r.get("ok")])
 
     @property
     def all_correct(self) -> bool:
@@ -269,7 +157,7 @@ class PeerSet:
                          "--allreduce-timeout", str(round_timeout), "--step-timeout", str(round_timeout + 30)]
                 if namespaces:
                     argv = ["ip", "netns", "exec", namespaces[i], *argv]
-                self.children.append(Child(f"{impl} peer {i}", argv))
+                self.children.append(Child(f"{impl} peer {i}", argv, env=ONE_THREAD_ENV))
             deadline = time.monotonic() + 120
             for c in self.children:
                 c.recv("hello", deadline)
@@ -299,7 +187,8 @@ class PeerSet:
                     c.send(f"avg {prefix} {n} {bandwidths[k] if bandwidths else 100.0}")
                 for c in peers:
                     c.recv("avg_ready", deadline)
-            sampler = PssSampler([c.proc.pid for c in peers]) if sample_pss else None
+            pids = [c.proc.pid for c in peers]
+            sampler = PeakSampler(lambda: tree_pss_kb(pids)) if sample_pss else None
             for rnd in range(rounds):
                 deadline = time.monotonic() + 60 + (size * 4 * n) / 20e6  # generous: refill + checksums
                 for c in peers:
@@ -328,7 +217,7 @@ class PeerSet:
                         run.errors.append(f"round {rnd}: peer {k} stderr:{c.tail(3)}")
             if sampler is not None:
                 run.peak_pss_kb = sampler.stop()
-        except PeerFailed as e:
+        except ChildFailed as e:
             run.errors.append(str(e))
         return run
 
@@ -340,10 +229,10 @@ class PeerSet:
                     c.send("quit")
             deadline = time.monotonic() + 30
             self.rss_kb = [c.recv("rss_kb", deadline)["rss_kb"] for c in self.children]
-        except PeerFailed:
+        except ChildFailed:
             self.rss_kb = []
         finally:
-            close_all(self.children, time.monotonic() + 15)
+            stop_all(self.children, grace=15)
         return self.rss_kb
 
 
@@ -366,7 +255,7 @@ def run_averaging(impl: str, configs: Sequence[tuple[int, int]], rounds: int, *,
             peers = PeerSet(impl, largest, size, round_timeout=round_timeout, profile_dir=profile_dir)
             for n, _ in sorted(group):
                 out[n, size] = peers.run(range(n), rounds, prefix=f"o{n}x{size}", sample_pss=sample_pss)
-        except PeerFailed as e:
+        except ChildFailed as e:
             for key in group:
                 out.setdefault(key, AvgRun(impl, key[0], size)).errors.append(str(e))
         finally:
@@ -381,15 +270,15 @@ def run_averaging(impl: str, configs: Sequence[tuple[int, int]], rounds: int, *,
 def memory_floor(n: int, size: int) -> int | None:
     """Summed peak RSS (kB) of n peer processes that import everything and fill their vector but
     never average: what any torch-based peer holding ``size`` float32 costs before a round."""
-    children = [Child(f"floor {i}", [sys.executable, PEER, "--floor", "--size", str(size), "--seed", str(i + 1)])
-                for i in range(n)]
+    children = [Child(f"floor {i}", [sys.executable, PEER, "--floor", "--size", str(size), "--seed", str(i + 1)],
+                      env=ONE_THREAD_ENV) for i in range(n)]
     try:
         deadline = time.monotonic() + 120
         return sum(c.recv("rss_kb", deadline)["rss_kb"] for c in children)
-    except PeerFailed:
+    except ChildFailed:
         return None
     finally:
-        close_all(children, time.monotonic() + 10)
+        stop_all(children, grace=10)
 
 
 # ---- raw-socket baseline -----------------------------------------------------------------------
@@ -408,7 +297,7 @@ def run_raw(parts: Sequence[int], reps: int, *, namespaces: Sequence[str] | None
                 argv.append("--overlap")
             if namespaces:
                 argv = ["ip", "netns", "exec", namespaces[i], *argv]
-            children.append(Child(f"raw peer {i}", argv))
+            children.append(Child(f"raw peer {i}", argv, env=ONE_THREAD_ENV))
         deadline = time.monotonic() + 60
         ports = [c.recv("port", deadline)["port"] for c in children]
         addrs = ",".join(f"{hosts[i] if hosts else '127.0.0.1'}:{p}" for i, p in enumerate(ports))
@@ -425,10 +314,10 @@ def run_raw(parts: Sequence[int], reps: int, *, namespaces: Sequence[str] | None
                 errors.extend(r["errors"])
             times.append(max(r["t_end"] for r in res) - min(r["t_start"] for r in res))
             cpus.append(sum(r["cpu_s"] for r in res))
-    except PeerFailed as e:
+    except ChildFailed as e:
         errors.append(str(e))
     finally:
-        close_all(children, time.monotonic() + 10)
+        stop_all(children, grace=10)
     ok = bool(times) and not errors
     return {"s": statistics.median(times) if ok else None, "cpu": statistics.median(cpus) if ok else None,
             "all": times, "errors": errors}
@@ -545,10 +434,6 @@ def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float]) 
 
 
 # ---- report ------------------------------------------------------------------------------------
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def _label(n: int, size: int) -> str:
     return f"{n}x{size // M}M"
 
@@ -558,93 +443,105 @@ def print_errors(run: AvgRun) -> None:
         print(f"  !! {run.impl} {_label(run.n, run.size)}: {e}")
 
 
-def main() -> None:
+def _gb(kb: float | None) -> float | None:
+    return kb / 1e6 if kb else None
+
+
+def _rss_gb(run: AvgRun) -> float | None:
+    """Peak RSS summed over the set, if every process of it reported one."""
+    return sum(run.rss_kb) / 1e6 if len(run.rss_kb) == run.n else None
+
+
+@dataclass
+class Loopback:
+    """Part 1's runs: ours, the raw-socket baseline and hivemind, by (peers, size)."""
+
+    configs: list[tuple[int, int]]
+    rounds: int
+    ours: dict[tuple[int, int], AvgRun] = field(default_factory=dict)
+    raws: dict[tuple[int, int], dict] = field(default_factory=dict)
+    hms: dict[tuple[int, int], AvgRun] = field(default_factory=dict)
+    floor_kb: int | None = None
+    hivemind_note: str = ""
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
     parser.add_argument("--vs-hivemind", action="store_true", help="also run hivemind from .bench-venv")
     parser.add_argument("--skip-shaped", action="store_true", help="leave out Part 2 (network namespaces)")
     parser.add_argument("--profile-dir", default="", help="cProfile every peer of our runs into this folder")
-    args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: kill peers, drop namespaces
-    wall0 = time.monotonic()
-    load_start = os.getloadavg()[0]
-    quick = args.quick
-    rounds = 3 if quick else 5
-    configs = [(4, 10 * M), (8, 10 * M)] + ([] if quick else [(4, 100 * M)])
-    if args.profile_dir:
-        os.makedirs(args.profile_dir, exist_ok=True)
-    figures: dict = {}
-    stages: dict[str, float] = {}
+    return parser.parse_args()
 
-    # Part 1: loopback
-    ours: dict[tuple[int, int], AvgRun] = {}
-    raws: dict[tuple[int, int], dict] = {}
-    hms: dict[tuple[int, int], AvgRun] = {}
+
+def run_loopback(args: argparse.Namespace, stages: dict[str, float]) -> Loopback:
+    """Part 1: ours (one set of processes per size), the memory floor, raw sockets, hivemind."""
+    configs = [(4, 10 * M), (8, 10 * M)] + ([] if args.quick else [(4, 100 * M)])
+    lb = Loopback(configs, 3 if args.quick else 5)
     for size in sorted({size for _, size in configs}):
         big = size >= 100 * M
         sub = os.path.join(args.profile_dir, f"{size // M}M") if args.profile_dir else ""
         if sub:
             os.makedirs(sub, exist_ok=True)
         t0 = time.monotonic()
-        ours.update(run_averaging("ours", [c for c in configs if c[1] == size], rounds, sample_pss=big,
-                                  round_timeout=300 if big else 120, profile_dir=sub))
+        lb.ours.update(run_averaging("ours", [c for c in configs if c[1] == size], lb.rounds, sample_pss=big,
+                                     round_timeout=300 if big else 120, profile_dir=sub))
         stages[f"ours {size // M}M"] = time.monotonic() - t0
-    floor_kb = None
     if (4, 100 * M) in configs:
         t0 = time.monotonic()
-        floor_kb = memory_floor(4, 100 * M)
+        lb.floor_kb = memory_floor(4, 100 * M)
         stages["floor 4x100M"] = time.monotonic() - t0
     for n, size in configs:
         t0 = time.monotonic()
-        raws[n, size] = run_raw(part_sizes(size, np.ones(n)), rounds)
+        lb.raws[n, size] = run_raw(part_sizes(size, np.ones(n)), lb.rounds)
         stages[f"raw {_label(n, size)}"] = time.monotonic() - t0
-    hivemind_note = ""
-    if args.vs_hivemind:
-        if not os.access(BENCH_PY, os.X_OK):
-            hivemind_note = f"hivemind skipped: {BENCH_PY} is missing (run `make bench-env`)"
-        else:
-            for n, size in configs:
-                big = size >= 100 * M
-                t0 = time.monotonic()
-                hms.update(run_averaging("hivemind", [(n, size)], rounds, sample_pss=big,
-                                         round_timeout=300 if big else 120))
-                stages[f"hivemind {_label(n, size)}"] = time.monotonic() - t0
+    if args.vs_hivemind and not os.access(BENCH_PY, os.X_OK):
+        lb.hivemind_note = HIVEMIND_MISSING
+    elif args.vs_hivemind:
+        for n, size in configs:
+            big = size >= 100 * M
+            t0 = time.monotonic()
+            lb.hms.update(run_averaging("hivemind", [(n, size)], lb.rounds, sample_pss=big,
+                                        round_timeout=300 if big else 120))
+            stages[f"hivemind {_label(n, size)}"] = time.monotonic() - t0
+    return lb
 
+
+LOOPBACK_TARGETS = {(4, 10 * M): "<=0.25", (8, 10 * M): "<=0.5", (4, 100 * M): ""}
+
+
+def print_loopback(lb: Loopback) -> None:
     print("Part 1: loopback, peers as processes (seconds per round, median of "
-          f"{rounds}; matchmaking / all-reduce = slowest peer's StepResult times)")
-    print(f"{'impl':<9}{'config':<8}{'matchmaking':>12}{'all-reduce':>11}{'target':>8}{'ar span':>9}"
-          f"{'CPU s':>7}{'raw/ar':>8}{'peak RSS GB':>12}{'peak PSS GB':>12}  correct")
-    targets = {(4, 10 * M): "<=0.25", (8, 10 * M): "<=0.5", (4, 100 * M): ""}
-    for n, size in configs:
-        raw = raws[n, size]
-        for run in (ours[n, size], hms.get((n, size))):
+          f"{lb.rounds}; matchmaking / all-reduce = slowest peer's StepResult times)")
+    rows = []
+    for n, size in lb.configs:
+        raw = lb.raws[n, size]
+        for run in (lb.ours[n, size], lb.hms.get((n, size))):
             if run is None:
                 continue
             ar = run.median("ar")
-            rss = sum(run.rss_kb) / 1e6 if len(run.rss_kb) == n else None
-            pss = run.peak_pss_kb / 1e6 if run.peak_pss_kb else None
             frac = raw["s"] / ar if raw["s"] and ar else None
-            print(f"{run.impl:<9}{_label(n, size):<8}{_fmt(run.median('mm')):>12}{_fmt(ar):>11}"
-                  f"{targets[n, size] if run.impl == 'ours' else '':>8}{_fmt(run.median('span')):>9}"
-                  f"{_fmt(run.median('cpu'), '.2f'):>7}{_fmt(frac, '.3f'):>8}{_fmt(rss, '.2f'):>12}"
-                  f"{_fmt(pss, '.2f'):>12}  {'yes' if run.all_correct else 'NO'}")
-        print(f"{'raw':<9}{_label(n, size):<8}{'':>12}{_fmt(raw['s']):>11}{'':>8}{'':>9}"
-              f"{_fmt(raw['cpu'], '.2f'):>7}")
+            rows.append((run.impl, _label(n, size), fmt(run.median("mm")), fmt(ar),
+                         LOOPBACK_TARGETS[n, size] if run.impl == "ours" else "", fmt(run.median("span")),
+                         fmt(run.median("cpu"), ".2f"), fmt(frac, ".3f"), fmt(_rss_gb(run), ".2f"),
+                         fmt(_gb(run.peak_pss_kb), ".2f"), "yes" if run.all_correct else "NO"))
+        rows.append(("raw", _label(n, size), "", fmt(raw["s"]), "", "", fmt(raw["cpu"], ".2f")))
+    print_table(["<9", "<8", ">12", ">11", ">8", ">9", ">7", ">8", ">12", ">12"],
+                ["impl", "config", "matchmaking", "all-reduce", "target", "ar span", "CPU s", "raw/ar",
+                 "peak RSS GB", "peak PSS GB", "correct"], rows, note_sep="  ")
     checks = []
     for (n, size), limit in (((4, 10 * M), 0.25), ((8, 10 * M), 0.5)):
-        ar = ours[n, size].median("ar") if (n, size) in ours and ours[n, size].all_correct else None
-        checks.append(f"all-reduce {_label(n, size)} {_fmt(ar)} s vs <= {limit} s "
+        ar = lb.ours[n, size].median("ar") if (n, size) in lb.ours and lb.ours[n, size].all_correct else None
+        checks.append(f"all-reduce {_label(n, size)} {fmt(ar)} s vs <= {limit} s "
                       f"({'met' if ar is not None and ar <= limit else 'missed'})")
-    if (4, 100 * M) in ours:
-        big = ours[4, 100 * M]
-        rss = sum(big.rss_kb) / 1e6 if len(big.rss_kb) == 4 else None
-        pss = big.peak_pss_kb / 1e6 if big.peak_pss_kb else None
-        floor = floor_kb / 1e6 if floor_kb else None
+    if (4, 100 * M) in lb.ours:
+        big = lb.ours[4, 100 * M]
+        rss, pss, floor = _rss_gb(big), _gb(big.peak_pss_kb), _gb(lb.floor_kb)
         added = rss - floor if rss and floor else None
-        checks.append(f"peak RSS 4x100M {_fmt(rss, '.2f')} GB vs <= 2.5 GB "
+        checks.append(f"peak RSS 4x100M {fmt(rss, '.2f')} GB vs <= 2.5 GB "
                       f"({'met' if rss is not None and rss <= 2.5 else 'missed'}; floor without averaging "
-                      f"{_fmt(floor, '.2f')} GB, so averaging added {_fmt(added, '.2f')}"
-                      f" GB; peak PSS {_fmt(pss, '.2f')} GB: {'met' if pss is not None and pss <= 2.5 else 'missed'})")
+                      f"{fmt(floor, '.2f')} GB, so averaging added {fmt(added, '.2f')}"
+                      f" GB; peak PSS {fmt(pss, '.2f')} GB: {'met' if pss is not None and pss <= 2.5 else 'missed'})")
     print("targets: " + "; ".join(checks) + ".  Reference library measured here earlier: ~2.0 s (4x10M), "
           "3.3-4.2 s (8x10M), 4.6 GB (4x100M).")
     print("ar span = first peer matched to last peer done; CPU s = CPU seconds of one round summed over the "
@@ -654,16 +551,20 @@ def main() -> None:
           "the 8x10M processes, so only 8x10M shows that set's RSS); PSS = sampled peak of the summed "
           "proportional set size (shared pages counted once).  Floor = summed peak RSS of 4 processes that import "
           "the same modules (torch alone is ~0.22 GB each) and fill their 100M vector, without averaging.")
-    for run in [*ours.values(), *hms.values()]:
+    for run in [*lb.ours.values(), *lb.hms.values()]:
         print_errors(run)
-    for key, raw in raws.items():
+    for key, raw in lb.raws.items():
         for e in raw["errors"][:3]:
             print(f"  !! raw {_label(*key)}: {e}")
-    if hivemind_note:
-        print(hivemind_note)
-    for n, size in configs:
-        run = ours[n, size]
-        raw_s = raws[n, size]["s"]
+    if lb.hivemind_note:
+        print(lb.hivemind_note)
+
+
+def loopback_figures(lb: Loopback, vs_hivemind: bool) -> dict:
+    figures: dict = {}
+    for n, size in lb.configs:
+        run = lb.ours[n, size]
+        raw_s = lb.raws[n, size]["s"]
         tag = _label(n, size)
         ar = run.median("ar") if run.all_correct else None
         if size == 10 * M:
@@ -674,78 +575,98 @@ def main() -> None:
                 figures["raw_s_4x10M"] = raw_s
         else:
             figures["allreduce_s_4x100M"] = ar
-            figures["peak_rss_gb_4x100M"] = sum(run.rss_kb) / 1e6 if len(run.rss_kb) == n else None
-            figures["peak_pss_gb_4x100M"] = run.peak_pss_kb / 1e6 if run.peak_pss_kb else None
-            figures["rss_floor_gb_4x100M"] = floor_kb / 1e6 if floor_kb else None
+            figures["peak_rss_gb_4x100M"] = _rss_gb(run)
+            figures["peak_pss_gb_4x100M"] = _gb(run.peak_pss_kb)
+            figures["rss_floor_gb_4x100M"] = _gb(lb.floor_kb)
             figures["raw_s_4x100M"] = raw_s
-    if args.vs_hivemind:
-        for n, size in configs:
-            run = hms.get((n, size))
-            tag = _label(n, size)
-            ok = run is not None and run.all_correct
-            if size == 10 * M:
-                figures[f"hivemind_allreduce_s_{tag}"] = run.median("ar") if ok else None
-                figures[f"hivemind_matchmaking_s_{tag}"] = run.median("mm") if ok else None
-            else:
-                figures["hivemind_allreduce_s_4x100M"] = run.median("ar") if ok else None
-                figures["hivemind_peak_rss_gb_4x100M"] = (sum(run.rss_kb) / 1e6
-                                                          if run is not None and len(run.rss_kb) == n else None)
-                figures["hivemind_peak_pss_gb_4x100M"] = (run.peak_pss_kb / 1e6
-                                                          if run is not None and run.peak_pss_kb else None)
+    for n, size in lb.configs if vs_hivemind else []:
+        run = lb.hms.get((n, size))
+        tag = _label(n, size)
+        ok = run is not None and run.all_correct
+        if size == 10 * M:
+            figures[f"hivemind_allreduce_s_{tag}"] = run.median("ar") if ok else None
+            figures[f"hivemind_matchmaking_s_{tag}"] = run.median("mm") if ok else None
+        else:
+            figures["hivemind_allreduce_s_4x100M"] = run.median("ar") if ok else None
+            figures["hivemind_peak_rss_gb_4x100M"] = _rss_gb(run) if run is not None else None
+            figures["hivemind_peak_pss_gb_4x100M"] = _gb(run.peak_pss_kb) if run is not None else None
+    return figures
 
-    # Part 2: shaped links
-    print()
-    shaped_keys = ["shaped_fraction_of_bound_equal", "shaped_fraction_of_bound_mixed", "shaped_fraction_of_bound"]
-    for k in shaped_keys:
-        figures[k] = None
+
+def run_part2(args: argparse.Namespace, stages: dict[str, float]) -> tuple[int, int, list[dict]]:
+    """Part 2's cases (none if it is skipped or fails: it says why); the vector size and rounds."""
+    size, rounds = (2 * M, 2) if args.quick else (4 * M, 3)
     reason = "--skip-shaped" if args.skip_shaped else shaping_unavailable()
     if reason:
         print(f"Part 2 (shaped links) skipped: {reason}")
-    else:
-        size = 2 * M if quick else 4 * M
-        shaped_rounds = 2 if quick else 3
-        cases = []
-        try:
-            cases = run_shaped(size, shaped_rounds, 1 if quick else shaped_rounds, stages)
-        except (subprocess.SubprocessError, OSError) as e:
-            err = getattr(e, "stderr", "") or e
-            print(f"Part 2 (shaped links) skipped: namespace setup failed: {str(err).strip()}")
-        except PeerFailed as e:
-            print(f"Part 2 (shaped links) failed: {e}")
-        if cases:
-            print(f"Part 2: shaped links (tbf on each peer's egress and ingress; {size // M}M float32, "
-                  f"median of {shaped_rounds} rounds; bound = load-balancing LP's optimum)")
-            print(f"{'case':<7}{'links Mbit/s':<22}{'LP shares':<28}{'bound s':>8}{'ours s':>8}{'bound/ours':>11}"
-                  f"{'raw s':>7}{'bound/raw':>10}  correct")
-            for c in cases:
-                links = "/".join(f"{b:g}{'c' if i in c['clients'] else ''}" for i, b in enumerate(c["links"]))
-                shares = "/".join(f"{x:.3f}" for x in c["shares"])
-                print(f"{c['label']:<7}{links:<22}{shares:<28}{c['bound_s']:>8.3f}{_fmt(c['measured_s']):>8}"
-                      f"{_fmt(c['fraction'], '.3f'):>11}{_fmt(c['raw']['s']):>7}{_fmt(c['raw_fraction'], '.3f'):>10}"
-                      f"  {'yes' if c['run'].all_correct else 'NO'}")
-                print_errors(c["run"])
-                for e in c["raw"]["errors"][:3]:
-                    print(f"  !! raw {c['label']}: {e}")
-                if c["run"].part_sizes:
-                    print(f"       parts used by the group (leader first): {c['run'].part_sizes}")
-            print("'c' = client-mode peer (reduces nothing; its own link still carries its whole vector both ways)."
-                  "  target: bound/ours >= 0.9")
-            for c in cases:
-                ok = c["run"].all_correct
-                figures[f"shaped_fraction_of_bound_{c['label']}"] = c["fraction"] if ok else None
-                figures[f"shaped_bound_s_{c['label']}"] = c["bound_s"]
-                figures[f"shaped_s_{c['label']}"] = c["measured_s"] if ok else None
-                figures[f"shaped_raw_fraction_of_bound_{c['label']}"] = c["raw_fraction"]
-            figures["shaped_fraction_of_bound"] = figures["shaped_fraction_of_bound_mixed"]
+        return size, rounds, []
+    try:
+        return size, rounds, run_shaped(size, rounds, 1 if args.quick else rounds, stages)
+    except (subprocess.SubprocessError, OSError) as e:
+        err = getattr(e, "stderr", "") or e
+        print(f"Part 2 (shaped links) skipped: namespace setup failed: {str(err).strip()}")
+    except ChildFailed as e:
+        print(f"Part 2 (shaped links) failed: {e}")
+    return size, rounds, []
 
+
+def print_shaped(size: int, rounds: int, cases: list[dict]) -> None:
+    print(f"Part 2: shaped links (tbf on each peer's egress and ingress; {size // M}M float32, "
+          f"median of {rounds} rounds; bound = load-balancing LP's optimum)")
+    print(f"{'case':<7}{'links Mbit/s':<22}{'LP shares':<28}{'bound s':>8}{'ours s':>8}{'bound/ours':>11}"
+          f"{'raw s':>7}{'bound/raw':>10}  correct")
+    for c in cases:
+        links = "/".join(f"{b:g}{'c' if i in c['clients'] else ''}" for i, b in enumerate(c["links"]))
+        shares = "/".join(f"{x:.3f}" for x in c["shares"])
+        print(f"{c['label']:<7}{links:<22}{shares:<28}{c['bound_s']:>8.3f}{fmt(c['measured_s']):>8}"
+              f"{fmt(c['fraction'], '.3f'):>11}{fmt(c['raw']['s']):>7}{fmt(c['raw_fraction'], '.3f'):>10}"
+              f"  {'yes' if c['run'].all_correct else 'NO'}")
+        print_errors(c["run"])
+        for e in c["raw"]["errors"][:3]:
+            print(f"  !! raw {c['label']}: {e}")
+        if c["run"].part_sizes:
+            print(f"       parts used by the group (leader first): {c['run'].part_sizes}")
+    print("'c' = client-mode peer (reduces nothing; its own link still carries its whole vector both ways)."
+          "  target: bound/ours >= 0.9")
+
+
+def shaped_figures(cases: list[dict]) -> dict:
+    figures: dict = {f"shaped_fraction_of_bound_{label}": None for label in ("equal", "mixed")}
+    figures["shaped_fraction_of_bound"] = None
+    for c in cases:
+        ok = c["run"].all_correct
+        figures[f"shaped_fraction_of_bound_{c['label']}"] = c["fraction"] if ok else None
+        figures[f"shaped_bound_s_{c['label']}"] = c["bound_s"]
+        figures[f"shaped_s_{c['label']}"] = c["measured_s"] if ok else None
+        figures[f"shaped_raw_fraction_of_bound_{c['label']}"] = c["raw_fraction"]
+    figures["shaped_fraction_of_bound"] = figures["shaped_fraction_of_bound_mixed"]
+    return figures
+
+
+def main() -> None:
+    args = parse_args()
+    exit_on_sigterm()  # run the finally blocks: kill peers, drop namespaces
+    wall0 = time.monotonic()
+    load_start = os.getloadavg()[0]
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+    stages: dict[str, float] = {}
+    lb = run_loopback(args, stages)
+    print_loopback(lb)
+    figures = loopback_figures(lb, args.vs_hivemind)
+    print()
+    size, rounds, cases = run_part2(args, stages)
+    if cases:
+        print_shaped(size, rounds, cases)
+    figures.update(shaped_figures(cases))
     print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     load_end = os.getloadavg()[0]
     print(f"1-min load average: {load_start:.2f} at start, {load_end:.2f} at end ({os.cpu_count()} CPUs; "
           "other work on the machine slows every figure)")
     figures.update(loadavg_start=load_start, loadavg_end=load_end)
-    figures["correct"] = all(r.all_correct for r in ours.values())
-    figures.update(quick=quick, rounds=rounds, wall_s=time.monotonic() - wall0)
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}))
+    figures["correct"] = all(r.all_correct for r in lb.ours.values())
+    figures.update(quick=args.quick, rounds=lb.rounds, wall_s=time.monotonic() - wall0)
+    print_json(figures)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import gc
 import json
 import logging
 import os
-import queue
-import random
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,14 +34,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
 import uvloop  # noqa: E402
+from _common import (  # noqa: E402
+    BENCH_PY,
+    HERE,
+    Child,
+    ChildFailed,
+    ChildTimeout,
+    WarningCounter,
+    kill_all,
+    print_json,
+    print_table,
+    run_for_json,
+)
+from _dht_sequence import Tally, make_plan, operations, start_figures  # noqa: E402
 
 from dht import DHTNode  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_PYTHON = os.path.join(ROOT, ".bench-venv", "bin", "python")
-HIVEMIND_WORKER = os.path.join(ROOT, "benchmarks", "_hivemind_dht_worker.py")
+HIVEMIND_WORKER = os.path.join(HERE, "_hivemind_dht_worker.py")
 MB = 1 << 20
-_CHILDREN: list[subprocess.Popen] = []  # killed (with their process groups) if the watchdog fires
 CORE_KEYS = ("n_peers", "start_ms_per_peer", "mem_per_peer_mb", "store_p50_ms", "store_p99_ms", "get_p50_ms",
              "get_p99_ms", "get_success", "get_success_churn10", "get_p50_ms_churn10", "error")
 
@@ -55,68 +61,17 @@ SHUTDOWN_TIMEOUT = 10.0
 FD_BUDGET = 16000  # in-process fds we allow ourselves (hard limit is 20000 here)
 
 
-# ---- the sequence both libraries run -----------------------------------------------------------
-def make_plan(n: int, n_keys: int, n_new: int, seed: int) -> dict:
-    """Everything random about a run, drawn up front from one seeded RNG (JSON-serializable)."""
-    rng = random.Random(seed)
-    bootstrap = [[]] + [rng.sample(range(i), min(i, 2)) for i in range(1, n)]
-    keys = [f"bench/{seed}/key/{j}" for j in range(n_keys + n_new)]
-    values = [{"j": j, "writer": 0, "score": round(rng.random(), 6), "tag": f"v{rng.randrange(1 << 30):08x}"}
-              for j in range(n_keys + n_new)]
-    store_from = [rng.randrange(n) for _ in range(n_keys)]
-    for j, p in enumerate(store_from):
-        values[j]["writer"] = p
-    get_from = [rng.randrange(n) for _ in range(n_keys)]
-    killed = sorted(rng.sample(range(n), max(1, round(n / 10)) if n >= 5 else 0))
-    dead = set(killed)
-    alive = [i for i in range(n) if i not in dead]
-    churn_get_from = [rng.choice(alive) for _ in range(n_keys)]
-    new_store_from = [rng.choice(alive) for _ in range(n_new)]
-    for j, p in enumerate(new_store_from):
-        values[n_keys + j]["writer"] = p
-    new_get_from = [rng.choice(alive) for _ in range(n_new)]
-    return {"n": n, "n_keys": n_keys, "n_new": n_new, "seed": seed, "bootstrap": bootstrap,
-            "keys": keys, "values": values, "store_from": store_from, "get_from": get_from,
-            "killed": killed, "churn_get_from": churn_get_from,
-            "new_store_from": new_store_from, "new_get_from": new_get_from}
-
-
-def pct(samples: list[float], q: float) -> float | None:
-    if not samples:
-        return None
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(len(s) * q))]
-
-
-def summarize(prefix: str, lat_s: list[float]) -> dict:
-    return {f"{prefix}_p50_ms": _ms(pct(lat_s, 0.50)), f"{prefix}_p99_ms": _ms(pct(lat_s, 0.99))}
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
-
-
-# ---- log accounting: warnings are counted, not printed (thousands under churn) ----------------
-class _CountingHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.counts: collections.Counter = collections.Counter()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        # collapse addresses/ids so the same complaint counts once
-        words = [w if not any(ch.isdigit() for ch in w) else "#" for w in msg.split()[:8]]
-        self.counts[f"{record.levelname} {record.name}: {' '.join(words)}"] += 1
+def _warning_key(record: logging.LogRecord) -> str:
+    """Addresses and ids collapsed, so that the same complaint counts once."""
+    words = [w if not any(ch.isdigit() for ch in w) else "#" for w in record.getMessage().split()[:8]]
+    return f"{record.levelname} {record.name}: {' '.join(words)}"
 
 
 # ---- our DHT ------------------------------------------------------------------------------------
-async def run_ours(plan: dict, max_connections: int, idle_timeout: float, progress: bool) -> dict:
-    n, n_keys, n_new = plan["n"], plan["n_keys"], plan["n_new"]
-    keys, values = plan["keys"], plan["values"]
+async def start_swarm(plan: dict, p2p_options: dict, progress: bool) -> tuple[list[DHTNode], list[float]]:
+    """Peer i bootstraps from the plan's earlier peers; returns the nodes and each one's start time."""
+    n = plan["n"]
     proc = psutil.Process()
-    gc.collect()
-    rss0 = proc.memory_info().rss
-    p2p_options = {"max_connections": max_connections, "idle_timeout": idle_timeout}
     nodes: list[DHTNode] = []
     start_lat: list[float] = []
     t_start = time.perf_counter()
@@ -133,118 +88,58 @@ async def run_ours(plan: dict, max_connections: int, idle_timeout: float, progre
         if progress and (i + 1) % max(n // 10, 1) == 0:
             print(f"  started {i + 1}/{n} peers, {time.perf_counter() - t_start:.1f} s,"
                   f" {proc.num_fds()} fds", file=sys.stderr, flush=True)
+    return nodes, start_lat
+
+
+async def run_operations(nodes: list[DHTNode], plan: dict, tally: Tally, after_kill: bool) -> float:
+    """One stage of the sequence, one operation at a time; returns its seconds."""
+    keys, values, exp = plan["keys"], plan["values"], time.time() + 3600
+    t_stage = time.perf_counter()
+    for phase, op, peer, j in operations(plan, after_kill):
+        call = nodes[peer].store(keys[j], values[j], exp) if op == "store" else nodes[peer].get(keys[j])
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(call, OP_TIMEOUT)
+        except (Exception, asyncio.TimeoutError) as e:
+            result = e
+        tally.add(phase, op, j, time.perf_counter() - t0, result)
+    return time.perf_counter() - t_stage
+
+
+async def run_ours(plan: dict, max_connections: int, idle_timeout: float, progress: bool) -> dict:
+    n = plan["n"]
+    proc = psutil.Process()
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    t_start = time.perf_counter()
+    nodes, start_lat = await start_swarm(plan, {"max_connections": max_connections, "idle_timeout": idle_timeout},
+                                         progress)
     start_total = time.perf_counter() - t_start
     await asyncio.sleep(0.2)
     gc.collect()
     rss1 = proc.memory_info().rss
-    fds_up = proc.num_fds()
-    routing_sizes = [len(nd.routing) for nd in nodes]
     conns = [nd.p2p.num_connections for nd in nodes]
-
-    async def timed(coro) -> tuple[float, object]:
-        t0 = time.perf_counter()
-        try:
-            result = await asyncio.wait_for(coro, OP_TIMEOUT)
-        except (Exception, asyncio.TimeoutError) as e:
-            result = e
-        return time.perf_counter() - t0, result
-
-    exp = time.time() + 3600
-
-    def ok_get(result: object, j: int) -> bool:
-        return result is not None and not isinstance(result, BaseException) and result.value == values[j]
-
-    errors: collections.Counter = collections.Counter()
-
-    def note(result: object) -> None:
-        if isinstance(result, BaseException):
-            errors[type(result).__name__] += 1
-
-    # 0% churn: stores, then gets
-    t_ops = time.perf_counter()
-    store_lat, store_ok = [], 0
-    for j in range(n_keys):
-        dt, r = await timed(nodes[plan["store_from"][j]].store(keys[j], values[j], exp))
-        note(r)
-        store_lat.append(dt)
-        store_ok += r is True
-    get_lat, get_ok = [], 0
-    for j in range(n_keys):
-        dt, r = await timed(nodes[plan["get_from"][j]].get(keys[j]))
-        note(r)
-        get_lat.append(dt)
-        get_ok += ok_get(r, j)
-    t_ops = time.perf_counter() - t_ops
-
-    # kill 10%, tell nobody
-    t_kill = time.perf_counter()
-    killed = plan["killed"]
-    await asyncio.wait_for(asyncio.gather(*(nodes[i].shutdown() for i in killed), return_exceptions=True),
+    out = {**start_figures(plan, start_lat, start_total), "mem_per_peer_mb": (rss1 - rss0) / n / MB,
+           "rss_mb": rss1 / MB, "fds_after_start": proc.num_fds(),
+           "routing_table_mean": sum(len(nd.routing) for nd in nodes) / n, "connections_mean": sum(conns) / n,
+           "connections_max": max(conns)}
+    tally = Tally(plan)
+    out["ops_s"] = await run_operations(nodes, plan, tally, after_kill=False)  # 0% churn
+    t_kill = time.perf_counter()  # kill 10%, tell nobody
+    dead = set(plan["killed"])
+    await asyncio.wait_for(asyncio.gather(*(nodes[i].shutdown() for i in dead), return_exceptions=True),
                            SHUTDOWN_TIMEOUT)
-    t_kill = time.perf_counter() - t_kill
-
-    t_churn = time.perf_counter()
-    churn_get_lat, churn_old_ok = [], 0
-    for j in range(n_keys):
-        dt, r = await timed(nodes[plan["churn_get_from"][j]].get(keys[j]))
-        note(r)
-        churn_get_lat.append(dt)
-        churn_old_ok += ok_get(r, j)
-    churn_store_lat, churn_store_ok, churn_new_ok = [], 0, 0
-    for j in range(n_new):
-        k = n_keys + j
-        dt, r = await timed(nodes[plan["new_store_from"][j]].store(keys[k], values[k], exp))
-        note(r)
-        churn_store_lat.append(dt)
-        churn_store_ok += r is True
-        dt, r = await timed(nodes[plan["new_get_from"][j]].get(keys[k]))
-        note(r)
-        churn_get_lat.append(dt)
-        churn_new_ok += ok_get(r, k)
-    t_churn = time.perf_counter() - t_churn
-
+    out["kill_s"] = time.perf_counter() - t_kill
+    out["churn_ops_s"] = await run_operations(nodes, plan, tally, after_kill=True)
     t_stop = time.perf_counter()
-    dead = set(killed)
     survivors = [nd for i, nd in enumerate(nodes) if i not in dead]
     try:
         await asyncio.wait_for(asyncio.gather(*(nd.shutdown() for nd in survivors), return_exceptions=True),
                                SHUTDOWN_TIMEOUT * 3)
     except asyncio.TimeoutError:
-        errors["shutdown timeout"] += 1
-    t_stop = time.perf_counter() - t_stop
-
-    out = {
-        "n_peers": n,
-        "n_keys": n_keys,
-        "n_new_keys_churn": n_new,
-        "start_ms_per_peer": sum(start_lat) / n * 1e3,
-        "start_p99_ms": _ms(pct(start_lat, 0.99)),
-        "start_total_s": start_total,
-        "mem_per_peer_mb": (rss1 - rss0) / n / MB,
-        "rss_mb": rss1 / MB,
-        "fds_after_start": fds_up,
-        "routing_table_mean": sum(routing_sizes) / n,
-        "connections_mean": sum(conns) / n,
-        "connections_max": max(conns),
-        **summarize("store", store_lat),
-        "store_accepted": store_ok / n_keys,
-        **summarize("get", get_lat),
-        "get_success": get_ok / n_keys,
-        "killed": len(killed),
-        "get_success_churn10": (churn_old_ok + churn_new_ok) / (n_keys + n_new),
-        "get_success_churn10_old": churn_old_ok / n_keys,
-        "get_success_churn10_new": churn_new_ok / n_new if n_new else None,
-        "ops_s": t_ops,
-        "churn_ops_s": t_churn,
-        "kill_s": t_kill,
-        "shutdown_s": t_stop,
-        "op_errors": dict(errors),
-    }
-    out.update({"get_p50_ms_churn10": _ms(pct(churn_get_lat, 0.5)),
-                "get_p99_ms_churn10": _ms(pct(churn_get_lat, 0.99)),
-                "store_p50_ms_churn10": _ms(pct(churn_store_lat, 0.5)),
-                "store_p99_ms_churn10": _ms(pct(churn_store_lat, 0.99))})
-    return out
+        tally.errors["shutdown timeout"] += 1
+    out["shutdown_s"] = time.perf_counter() - t_stop
+    return {**out, **tally.figures()}
 
 
 # ---- hivemind (separate venv, separate process) ------------------------------------------------
@@ -272,79 +167,46 @@ def _tree_memory(pid: int) -> tuple[int, int, int]:
 
 def run_hivemind(plan: dict, deadline_s: float) -> dict:
     """Run the worker; it pauses twice so that we can measure its process tree's memory."""
-    if not os.path.exists(BENCH_PYTHON):
-        return {"error": f"{BENCH_PYTHON} is missing: run `make bench-env` to create it"}
+    if not os.path.exists(BENCH_PY):
+        return {"error": f"{BENCH_PY} is missing: run `make bench-env` to create it"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
         plan_path = f.name
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen([BENCH_PYTHON, HIVEMIND_WORKER, plan_path, str(deadline_s - 20)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
-                            start_new_session=True)
-    _CHILDREN.append(proc)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+    worker = Child("hivemind worker", [BENCH_PY, HIVEMIND_WORKER, plan_path, str(deadline_s - 20)])
     end = time.monotonic() + deadline_s
-    seen: set[int] = set()
     out: dict = {}
     try:
         rss0 = uss0 = 0
         while True:
-            try:
-                line = lines.get(timeout=max(end - time.monotonic(), 0.1))
-            except queue.Empty:
-                out["error"] = f"hivemind worker passed its {deadline_s:.0f} s budget"
-                break
-            if line is None:
-                out.setdefault("error", f"hivemind worker exited (rc={proc.wait(timeout=10)}) without figures")
-                break
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            seen.update(p.pid for p in _tree(proc.pid))
-            event = msg.pop("event", None)
+            msg = worker.recv("event", end)
+            worker.remember_tree()  # its DHT processes and p2pd daemons, killed with it at the end
+            event = msg.pop("event")
             if event == "baseline":
-                rss0, uss0, _ = _tree_memory(proc.pid)
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
+                rss0, uss0, _ = _tree_memory(worker.proc.pid)
+                worker.send("go")
             elif event == "up":
                 time.sleep(0.5)
-                rss1, uss1, count = _tree_memory(proc.pid)
+                rss1, uss1, count = _tree_memory(worker.proc.pid)
                 n = plan["n"]
-                out["mem_per_peer_mb"] = (rss1 - rss0) / n / MB
-                out["uss_per_peer_mb"] = (uss1 - uss0) / n / MB
-                out["processes"] = count
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
+                out.update(mem_per_peer_mb=(rss1 - rss0) / n / MB, uss_per_peer_mb=(uss1 - uss0) / n / MB,
+                           processes=count)
+                worker.send("go")
             elif event == "progress":
                 print(f"  hivemind: {msg.get('what')}", file=sys.stderr, flush=True)
             elif event == "result":
                 out.update(msg)
+                worker.finish(time.monotonic() + 30)
                 break
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+    except ChildTimeout:
+        out["error"] = f"hivemind worker passed its {deadline_s:.0f} s budget"
+    except ChildFailed:
+        out.setdefault("error", f"hivemind worker exited (rc={worker.proc.poll()}) without figures")
     finally:  # whatever is left of the worker's tree (p2pd daemons included) goes now
-        try:
-            os.killpg(proc.pid, 9)
-        except OSError:
-            pass
-        for pid in seen:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
-        if proc.poll() is None:
-            proc.wait(timeout=10)
-        log.seek(0)
-        tail = log.read()[-3000:]
-        log.close()
-        os.unlink(log.name)
+        tail = worker.tail(40)
+        worker.kill()
         os.unlink(plan_path)
     if "error" in out:
-        out["stderr_tail"] = tail
+        out["stderr_tail"] = tail[-3000:]
     return out
 
 
@@ -352,19 +214,11 @@ def run_hivemind(plan: dict, deadline_s: float) -> dict:
 def run_ours_child(n: int, n_keys: int, n_new: int, seed: int, deadline_s: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--peers", str(n), "--keys", str(n_keys),
            "--new-keys", str(n_new), "--seed", str(seed), "--no-table"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _CHILDREN.append(proc)
     try:
-        stdout, stderr = proc.communicate(timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"error": f"our DHT at {n} peers passed its {deadline_s:.0f} s budget"}
-    try:
-        return json.loads(stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": f"our DHT at {n} peers printed no figures (rc={proc.returncode})",
-                "stderr_tail": stderr[-3000:]}
+        return run_for_json(f"our DHT at {n} peers", cmd, deadline_s)
+    except ChildFailed as e:
+        error, _, tail = str(e).partition("\n")
+        return {"error": error, "stderr_tail": tail[-3000:]}
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -406,33 +260,23 @@ def _check(key: str, v: object, n: int) -> str:
     return "" if passed is None else ("ok" if passed else "MISSED")
 
 
-def print_table(columns: list[tuple[str, dict]]) -> None:
-    head = f"{'figure':<28}" + "".join(f"{name:>18}" for name, _ in columns)
+def print_columns(columns: list[tuple[str, dict]]) -> None:
     ratio = len(columns) >= 2 and columns[-1][0].startswith("hivemind")
-    if ratio:
-        head += f"{'hivemind/ours':>15}"
-    print(head + "   target")
+    rows = []
     for label, key, unit, target in ROWS:
         vals = [col.get(key) for _, col in columns]
-        line = f"{label:<28}" + "".join(f"{_fmt(v, unit):>18}" for v in vals)
+        row = [label, *(_fmt(v, unit) for v in vals)]
         if ratio:
             a, b = vals[-2], vals[-1]
             numeric = isinstance(a, (int, float)) and isinstance(b, (int, float)) and a and key != "n_peers"
-            r = f"{b / a:.1f}x" if numeric else "-"
-            line += f"{r:>15}"
+            row.append(f"{b / a:.1f}x" if numeric else "-")
         verdict = _check(key, vals[0], columns[0][1].get("n_peers", 0))
-        print(line + f"   {target}" + (f" [{verdict}]" if verdict else ""))
+        rows.append([*row, target + (f" [{verdict}]" if verdict else "")])
+    print_table(["<28"] + [">18"] * len(columns) + ([">15"] if ratio else []),
+                ["figure", *(name for name, _ in columns), *(["hivemind/ours"] if ratio else []), "target"], rows)
 
 
-def _round(obj: object) -> object:
-    if isinstance(obj, float):
-        return round(obj, 3)
-    if isinstance(obj, dict):
-        return {k: _round(v) for k, v in obj.items()}
-    return obj
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="128 peers, 200 keys: under 60 s")
     parser.add_argument("--peers", type=int, help="peers (default 1000, quick 128)")
@@ -446,80 +290,89 @@ def main() -> None:
     parser.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--progress", action="store_true", help="report start-up progress on stderr")
     args = parser.parse_args()
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    n = args.peers or (128 if args.quick else 1000)
-    n_keys = args.keys or (200 if args.quick else 500)
-    n_new = args.new_keys if args.new_keys is not None else n_keys // 2
+    args.peers = args.peers or (128 if args.quick else 1000)
+    args.keys = args.keys or (200 if args.quick else 500)
+    args.new_keys = args.new_keys if args.new_keys is not None else args.keys // 2
     # each connection costs one fd at each end, plus one listening socket per peer: N * (M + 1) fds
-    max_conn = args.max_connections or max(4, min(32, FD_BUDGET * 3 // 4 // n))
-    hard_limit_s = 58.0 if args.quick and not args.vs_hivemind else (300.0 if args.quick else 1200.0)
+    args.max_connections = args.max_connections or max(4, min(32, FD_BUDGET * 3 // 4 // args.peers))
+    return args
 
-    counter = _CountingHandler()
-    logging.basicConfig(level=logging.WARNING, handlers=[counter], force=True)
-    figures: dict = {"quick": args.quick}
 
-    def watchdog() -> None:  # the last resort: an await without a timeout somewhere below us
-        figures["error"] = f"watchdog: run passed {hard_limit_s:.0f} s"
-        for child in _CHILDREN:
-            try:
-                os.killpg(child.pid, 9)
-            except OSError:
-                pass
-        print(json.dumps(_round(figures)), flush=True)
+def start_watchdog(figures: dict, limit_s: float) -> threading.Timer:
+    """The last resort, for an await without a timeout somewhere below us: the figures so far, then exit."""
+    def fire() -> None:
+        figures["error"] = f"watchdog: run passed {limit_s:.0f} s"
+        kill_all()
+        print_json(figures, digits=3)
         os._exit(3)
 
-    timer = threading.Timer(hard_limit_s, watchdog)
+    timer = threading.Timer(limit_s, fire)
     timer.daemon = True
     timer.start()
+    return timer
+
+
+def vs_hivemind(args: argparse.Namespace, plan: dict, figures: dict, columns: list[tuple[str, dict]]) -> None:
+    """hivemind at K peers, and ours again at K (in a child) when K < N; adds their columns and figures."""
+    n, k = args.peers, min(args.hivemind_peers, args.peers)
+    if not os.path.exists(BENCH_PY):
+        msg = f"--vs-hivemind: {BENCH_PY} not found; run `make bench-env` to create it"
+        print(msg, file=sys.stderr)
+        figures["hivemind_error"] = msg
+        return
+    if k < n:
+        at_k = run_ours_child(k, args.keys, args.new_keys, args.seed, deadline_s=240)
+        figures.update({f"ours_n{k}_{key}": v for key, v in at_k.items() if key in CORE_KEYS})
+        columns.append((f"ours N={k}", at_k))
+    hm = run_hivemind(plan if k == n else make_plan(k, args.keys, args.new_keys, args.seed), deadline_s=600)
+    figures.update({f"hivemind_{key}": v for key, v in hm.items() if key != "stderr_tail"})
+    columns.append((f"hivemind N={k}", hm))
+    if "error" in hm:
+        print(f"hivemind run failed: {hm['error']}\n{hm.get('stderr_tail', '')}", file=sys.stderr)
+
+
+def print_report(args: argparse.Namespace, figures: dict, columns: list[tuple[str, dict]],
+                 counter: WarningCounter) -> None:
+    print_columns(columns)
+    if args.vs_hivemind and len(columns) > 1:
+        print("hivemind/ours ratio compares the last two columns (same N, same sequence).")
+    if "hivemind_error" in figures:
+        print(f"hivemind column missing: {figures['hivemind_error']}")
+    print(f"{'wall-clock (s)':<28}{figures['wall_s']:>18.1f}")
+    if counter.counts:
+        print("log warnings (counted, not printed):")
+        for msg, c in counter.counts.most_common(6):
+            print(f"  {c:>6} x {msg}")
+
+
+def main() -> None:
+    args = parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    counter = WarningCounter(_warning_key)
+    logging.basicConfig(level=logging.WARNING, handlers=[counter], force=True)
+    figures: dict = {"quick": args.quick}
+    timer = start_watchdog(figures, 58.0 if args.quick and not args.vs_hivemind else (300.0 if args.quick else 1200.0))
     t0 = time.perf_counter()
-
-    plan = make_plan(n, n_keys, n_new, args.seed)
+    plan = make_plan(args.peers, args.keys, args.new_keys, args.seed)
     try:
-        figures.update(uvloop.run(run_ours(plan, max_conn, args.idle_timeout, args.progress)))
+        figures.update(uvloop.run(run_ours(plan, args.max_connections, args.idle_timeout, args.progress)))
     except Exception as e:  # a peer that would not start: report it in the figures, exit non-zero
-        figures.update(n_peers=n, error=f"{type(e).__name__}: {e}")
-        print(json.dumps(_round(figures)), flush=True)
+        figures.update(n_peers=args.peers, error=f"{type(e).__name__}: {e}")
+        print_json(figures, digits=3)
         os._exit(1)  # skips waiting on the half-built swarm's sockets
-    figures.update(max_connections=max_conn, idle_timeout=args.idle_timeout, seed=args.seed,
+    figures.update(max_connections=args.max_connections, idle_timeout=args.idle_timeout, seed=args.seed,
                    fd_limit=[soft, hard])
-    columns: list[tuple[str, dict]] = [(f"ours N={n}", figures)]
-
+    columns: list[tuple[str, dict]] = [(f"ours N={args.peers}", figures)]
     if args.vs_hivemind:
-        k = min(args.hivemind_peers, n)
-        if not os.path.exists(BENCH_PYTHON):
-            msg = f"--vs-hivemind: {BENCH_PYTHON} not found; run `make bench-env` to create it"
-            print(msg, file=sys.stderr)
-            figures["hivemind_error"] = msg
-        else:
-            hm_plan = plan if k == n else make_plan(k, n_keys, n_new, args.seed)
-            if k < n:
-                at_k = run_ours_child(k, n_keys, n_new, args.seed, deadline_s=240)
-                figures.update({f"ours_n{k}_{key}": v for key, v in at_k.items() if key in CORE_KEYS})
-                columns.append((f"ours N={k}", at_k))
-            hm = run_hivemind(hm_plan, deadline_s=600)
-            figures.update({f"hivemind_{key}": v for key, v in hm.items() if key != "stderr_tail"})
-            columns.append((f"hivemind N={k}", hm))
-            if "error" in hm:
-                print(f"hivemind run failed: {hm['error']}\n{hm.get('stderr_tail', '')}", file=sys.stderr)
+        vs_hivemind(args, plan, figures, columns)
     figures["wall_s"] = time.perf_counter() - t0
     timer.cancel()
-
     if counter.counts:
         figures["log_warnings"] = sum(counter.counts.values())
     if not args.no_table:
-        print_table(columns)
-        if args.vs_hivemind and len(columns) > 1:
-            print("hivemind/ours ratio compares the last two columns (same N, same sequence).")
-        if "hivemind_error" in figures:
-            print(f"hivemind column missing: {figures['hivemind_error']}")
-        print(f"{'wall-clock (s)':<28}{figures['wall_s']:>18.1f}")
-        if counter.counts:
-            print("log warnings (counted, not printed):")
-            for msg, c in counter.counts.most_common(6):
-                print(f"  {c:>6} x {msg}")
-    print(json.dumps(_round(figures)))
+        print_report(args, figures, columns, counter)
+    print_json(figures, digits=3)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Prints tables, then one JSON line of figures.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import _moe_latency  # noqa: E402
+from _common import cpu_seconds, print_json, run_for_json  # noqa: E402
 from _moe_roles import client_process, local_samples_per_s, serve_process  # noqa: E402
 
 BENCH_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
@@ -139,14 +139,8 @@ def run_throughput(cases: list[dict], rtt_calls: int, server: Child, clients: li
 
 
 def _cpu_seconds(procs: list[Child]) -> dict[int, float]:
-    """User + system CPU seconds of each process so far (Linux /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for p in procs:
-        with open(f"/proc/{p.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out[p.pid] = (int(fields[11]) + int(fields[12])) / ticks
-    return out
+    """User + system CPU seconds of each process so far."""
+    return {p.pid: cpu_seconds([p.pid]) for p in procs}
 
 
 def bench_env_python(wait_s: float = 300.0) -> Path:
@@ -172,10 +166,7 @@ def run_hivemind(case: dict) -> dict:
            "--hid-dim", str(case["hidden"]), "--num-clients", str(case["clients"]), "--batch-size", str(case["batch"]),
            "--num-batches-per-client", str(case["batches"]), "--max-batch-size", str(case["max_batch_size"]),
            "--rtt", "200"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"hivemind benchmark failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_for_json("hivemind benchmark", cmd, 3600)
 
 
 def run_latency(server: Child, latencies_ms: list[int], window: float) -> dict:
@@ -210,15 +201,8 @@ def plot_latency(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
-    parser.add_argument("--vs-hivemind", action="store_true", help="also run hivemind's measurement (bench venv)")
-    parser.add_argument("--skip-latency", action="store_true", help="skip the latency experiment")
-    args = parser.parse_args()
-
-    q = args.quick
-    cases = [
+def make_cases(q: bool) -> list[dict]:
+    return [
         {"name": "small", "experts": 4, "hidden": 256, "batch": 64, "max_batch_size": 256, "clients": CLIENTS,
          "batches": 32 if q else 256, "local_batches": 150 if q else 1000, "rounds": 2 if q else 3},
         # --quick: 2 clients x 1 batch here (16,384 samples would take most of the minute alone)
@@ -226,45 +210,45 @@ def main() -> None:
          "clients": 2 if q else CLIENTS, "batches": 1 if q else 2, "local_batches": 2 if q else 8,
          "rounds": 1 if q else 3},
     ]
-    t_start = time.perf_counter()
 
-    def phase(name: str) -> None:
-        print(f"[{time.perf_counter() - t_start:6.1f} s] {name}", file=sys.stderr, flush=True)
 
+def measure(cases: list[dict], q: bool, skip_latency: bool) -> dict | None:
+    """Throughput (fills ``cases``), then the latency experiment's result (None if skipped)."""
     # Every child is forked now, before this process runs any torch work (a fork after OpenMP started
     # its threads would leave the child's thread pool broken), and they start without importing anything.
     server = Child(serve_process, [{k: c[k] for k in ("name", "experts", "hidden", "max_batch_size")} for c in cases])
     clients = [Child(client_process) for _ in range(CLIENTS)]
-    latency_server = None if args.skip_latency else Child(_moe_latency.serve_process)
+    latency_server = None if skip_latency else Child(_moe_latency.serve_process)
     try:
         run_throughput(cases, rtt_calls=300 if q else 2000, server=server, clients=clients)
-        phase("spotswarm and local throughput measured")
-        latency = None
-        if latency_server is not None:
-            latency = run_latency(latency_server, [0, 50, 200] if q else [0, 10, 25, 50, 100, 150, 200],
-                                  window=1.0 if q else 5.0)
-            phase("latency experiment done")
+        _log("spotswarm and local throughput measured")
+        if latency_server is None:
+            return None
+        latency = run_latency(latency_server, [0, 50, 200] if q else [0, 10, 25, 50, 100, 150, 200],
+                              window=1.0 if q else 5.0)
+        _log("latency experiment done")
+        return latency
     finally:
         for child in [server, *clients, *([latency_server] if latency_server else [])]:
             if child.proc.is_alive():
                 child.proc.kill()
                 child.proc.join()
+
+
+def add_hivemind(cases: list[dict], q: bool) -> None:
     for case in cases:
-        if args.vs_hivemind:
-            if q and case["name"] == "large":
-                continue  # hivemind needs minutes for this case; full runs only
-            hm = run_hivemind(case)
-            case["hivemind_samples_s"] = hm["samples_s"]
-            case["hivemind_benchmark_throughput_samples_s"] = hm["benchmark_throughput_samples_s"]
-            case["hivemind_nop_forward_ms"] = hm.get("nop_forward_ms")
-            case["hivemind_version"] = hm["hivemind_version"]
-            phase(f"hivemind case {case['name']} measured")
+        if q and case["name"] == "large":
+            continue  # hivemind needs minutes for this case; full runs only
+        hm = run_hivemind(case)
+        case["hivemind_samples_s"] = hm["samples_s"]
+        case["hivemind_benchmark_throughput_samples_s"] = hm["benchmark_throughput_samples_s"]
+        case["hivemind_nop_forward_ms"] = hm.get("nop_forward_ms")
+        case["hivemind_version"] = hm["hivemind_version"]
+        _log(f"hivemind case {case['name']} measured")
 
-    png = HERE / "results" / "moe_latency.png"
-    if latency is not None:
-        plot_latency(latency, png)
 
-    small, large = cases
+def print_report(cases: list[dict], latency: dict | None, png: Path) -> None:
+    small = cases[0]
     print(f"{'case':<34}{'remote':>10}{'local':>10}{'remote/local':>14}{'hivemind':>10}{'ours/hm':>9}")
     for c in cases:
         hm = c.get("hivemind_samples_s")
@@ -276,7 +260,7 @@ def main() -> None:
     for c in cases:
         print(f"  {c['name']}: {c['samples']:,} samples in {c['seconds']:.2f} s; CPU seconds used: server "
               f"{c['server_cpu_s']:.2f}, clients {c['clients_cpu_s']:.2f} (2 cores = {2 * c['seconds']:.2f} available)")
-    rtt = cases[0]["rtt"]
+    rtt = small["rtt"]
     print(f"empty round trip (1-row nop forward): {rtt['nop_forward_ms']:.3f} ms median, "
           f"{rtt['nop_forward_p99_ms']:.3f} ms p99; expert.info RPC {rtt['info_rpc_ms']:.3f} ms"
           + (f"; hivemind nop forward {small['hivemind_nop_forward_ms']:.2f} ms"
@@ -291,6 +275,10 @@ def main() -> None:
                                latency["dmoe_samples_s"], strict=True):
             print(f"{lat:<18.0f}{mp:>16,.1f}{dm:>10,.1f}")
 
+
+def figures_of(args: argparse.Namespace, cases: list[dict], latency: dict | None, png: Path) -> dict:
+    small, large = cases
+    rtt = small["rtt"]
     figures: dict = {
         "remote_samples_s": small["remote_samples_s"], "local_samples_s": small["local_samples_s"],
         "empty_rtt_ms": rtt["nop_forward_ms"],
@@ -309,21 +297,28 @@ def main() -> None:
     if latency:
         figures["latency"] = {k: latency[k] for k in ("latency_ms", "model_parallel_samples_s", "dmoe_samples_s")}
         figures["latency_png"] = str(png.relative_to(ROOT))
-    figures.update(quick=q, clients=CLIENTS, small_samples=small["samples"], large_samples=large["samples"],
+    figures.update(quick=args.quick, clients=CLIENTS, small_samples=small["samples"], large_samples=large["samples"],
                    small_rounds=[[r["remote_samples_s"], r["local_samples_s"]] for r in small["rounds"]],
                    large_rounds=[[r["remote_samples_s"], r["local_samples_s"]] for r in large["rounds"]],
                    load_avg_1m=os.getloadavg()[0])
-    print(json.dumps(_rounded(figures)))
+    return figures
 
 
-def _rounded(value):
-    if isinstance(value, float):
-        return round(value, 3)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    return value
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
+    parser.add_argument("--vs-hivemind", action="store_true", help="also run hivemind's measurement (bench venv)")
+    parser.add_argument("--skip-latency", action="store_true", help="skip the latency experiment")
+    args = parser.parse_args()
+    cases = make_cases(args.quick)
+    latency = measure(cases, args.quick, args.skip_latency)
+    if args.vs_hivemind:
+        add_hivemind(cases, args.quick)
+    png = HERE / "results" / "moe_latency.png"
+    if latency is not None:
+        plot_latency(latency, png)
+    print_report(cases, latency, png)
+    print_json(figures_of(args, cases, latency, png), digits=3)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,6 @@ import datetime
 import json
 import logging
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -83,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import _netns  # noqa: E402
-from _procs import close_pipes  # noqa: E402
+from _common import Child, ChildTimeout, emit, fmt, print_json, print_table, retry  # noqa: E402
 
 log = logging.getLogger("bench_multinode")
 
@@ -437,172 +436,201 @@ def analyze(run_dir: Path, args: argparse.Namespace, victim: str, end: float) ->
     return out
 
 
-def run_child(args: argparse.Namespace) -> None:
-    """One mode's run; prints progress lines, then one JSON line of its figures."""
-    _catch_sigterm()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    mode = args.role
-    base = Path(args.base)
-    manifest = Manifest(base / "manifest.json")
-    wall0 = time.monotonic()
-    result: dict[str, Any] = {"mode": mode}
-    notes: list[str] = []
+@dataclass
+class ModeRun:
+    """One mode's run in the child: what its steps share, and the figures it reports."""
 
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - wall0:5.1f}s] {msg}", flush=True)
-
-    victim = f"mn-{mode}-{NODE_TYPE}-0000"
+    args: argparse.Namespace
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # undone in reverse at the end
+    wall0: float = field(default_factory=time.monotonic)
+    result: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    stopped: dict[str, float] = field(default_factory=dict)  # seconds each cleanup step took
+    observed: Observed = field(default_factory=Observed)
     run_dir: Path | None = None
-    observed = Observed()
-    stopped: dict[str, float] = {}  # seconds each cleanup step took
+    end: float = field(default_factory=time.time)  # the end of the measured run: the monitoring loop's last pass
 
-    def timed(name: str, fn: Callable[[], Any]) -> Callable[[], None]:
+    def __post_init__(self) -> None:
+        self.mode, self.base = self.args.role, Path(self.args.base)
+        self.manifest = Manifest(self.base / "manifest.json")
+        self.victim = f"mn-{self.mode}-{NODE_TYPE}-0000"
+        self.result["mode"] = self.mode
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.wall0:5.1f}s] {msg}", flush=True)
+
+    def at_exit(self, name: str, fn: Callable[[], Any]) -> None:
+        """Undo ``fn`` when the run ends, timed into ``stopped[name]``."""
         def step() -> None:
             t = time.monotonic()
             try:
                 fn()
             finally:
-                stopped[name] = round(time.monotonic() - t, 2)
-        return step
-    marks = {"end": time.time()}  # the end of the measured run: the last pass of the monitoring loop
-    try:
-        with contextlib.ExitStack() as stack:
-            namespaces: list[str] = []
-            if mode == "nodes":
-                fleet_stack = stack.enter_context(contextlib.ExitStack())
-                stack.callback(timed("netns_teardown", fleet_stack.close))
-                fleet = enter_fleet(fleet_stack, args.instances + 1)
-                manifest.update(head_ip=fleet.head_ip, bridge=fleet.bridge, namespaces=fleet.namespaces,
-                                ips=fleet.ips, veths=fleet.veths)
-                namespaces = list(fleet.namespaces)
-                say(f"bridge {fleet.bridge} {fleet.head_ip}; namespaces "
-                    + ", ".join(f"{ns}={ip}" for ns, ip in zip(fleet.namespaces, fleet.ips, strict=True)))
-                (base / "h").mkdir()
-                t = time.monotonic()
-                head = start_head(fleet.head_ip, base / "h", manifest)
-                stack.callback(timed("head_stop", head.stop))
-                import orchestrator.supervisor  # noqa: F401 - torch and Ray load while the head starts
+                self.stopped[name] = round(time.monotonic() - t, 2)
+        self.stack.callback(step)
 
-                head.wait_ready(args.head_timeout_s)
-                result["head_start_s"] = time.monotonic() - t
-                result["head_ip"] = fleet.head_ip
-                say(f"Ray head up at {head.address} in {result['head_start_s']:.1f} s (token auth)")
-            import ray
+    def start_head(self) -> tuple[_netns.NetnsFleet, Head]:
+        """Nodes mode: the namespaces on a bridge, and a Ray head on the bridge's address."""
+        fleet_stack = self.stack.enter_context(contextlib.ExitStack())
+        self.at_exit("netns_teardown", fleet_stack.close)
+        fleet = enter_fleet(fleet_stack, self.args.instances + 1)
+        self.manifest.update(head_ip=fleet.head_ip, bridge=fleet.bridge, namespaces=fleet.namespaces,
+                             ips=fleet.ips, veths=fleet.veths)
+        self.say(f"bridge {fleet.bridge} {fleet.head_ip}; namespaces "
+                 + ", ".join(f"{ns}={ip}" for ns, ip in zip(fleet.namespaces, fleet.ips, strict=True)))
+        (self.base / "h").mkdir()
+        t = time.monotonic()
+        head = start_head(fleet.head_ip, self.base / "h", self.manifest)
+        self.at_exit("head_stop", head.stop)
+        import orchestrator.supervisor  # noqa: F401 - torch and Ray load while the head starts
 
-            t = time.monotonic()
-            for attempt in range(3):
-                try:
-                    if mode == "nodes":
-                        ray.init(address=head.address, _node_ip_address=fleet.head_ip, log_to_driver=False,
-                                 configure_logging=False, namespace="spotswarm-bench-multinode")
-                    else:
-                        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                                 configure_logging=False, _temp_dir=str(base / "a"),
-                                 namespace="spotswarm-bench-multinode")
-                    break
-                except Exception:
-                    if attempt == 2:
-                        raise
-                    time.sleep(1.0)  # a retry after a failed start, not synchronization
-            _catch_sigterm()  # ray.init installed its own (sys.exit)
+        head.wait_ready(self.args.head_timeout_s)
+        self.result["head_start_s"] = time.monotonic() - t
+        self.result["head_ip"] = fleet.head_ip
+        self.say(f"Ray head up at {head.address} in {self.result['head_start_s']:.1f} s (token auth)")
+        return fleet, head
 
-            def shutdown() -> None:
-                ray.shutdown()
-                _catch_sigterm()
+    def connect(self, cluster: tuple[_netns.NetnsFleet, Head] | None) -> Any:
+        """``ray.init``: to the head in nodes mode, else a local Ray of its own (three tries)."""
+        import ray
 
-            stack.callback(timed("ray_shutdown", shutdown))
-            result["ray_init_s"] = time.monotonic() - t
-            say(f"driver connected in {result['ray_init_s']:.1f} s")
+        t = time.monotonic()
+        if cluster is not None:
+            retry(lambda: ray.init(address=cluster[1].address, _node_ip_address=cluster[0].head_ip,
+                                   log_to_driver=False, configure_logging=False, namespace="spotswarm-bench-multinode"))
+        else:
+            retry(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                                   configure_logging=False, _temp_dir=str(self.base / "a"),
+                                   namespace="spotswarm-bench-multinode"))
+        _catch_sigterm()  # ray.init installed its own (sys.exit)
 
-            from orchestrator.run_store import RunStore
-            from orchestrator.supervisor import SupervisorCore
+        def shutdown() -> None:
+            ray.shutdown()
+            _catch_sigterm()
 
-            config = make_config(mode, base, args, namespaces)
-            RunStore.create(config).close()
-            run_dir = config.run_dir()
-            manifest.update(run_dir=str(run_dir))
-            core = SupervisorCore(config, run_dir)
+        self.at_exit("ray_shutdown", shutdown)
+        self.result["ray_init_s"] = time.monotonic() - t
+        self.say(f"driver connected in {self.result['ray_init_s']:.1f} s")
+        return ray
 
-            def stop_core() -> None:
-                """``core.stop()``, but never past the budget: releasing an instance whose worker is still
-                starting waits for the start (up to 30 s); what it leaves is killed right after anyway."""
-                limit = max(wall0 + args.budget_s - time.monotonic() - CLEANUP_AFTER_STOP_S[mode], 2.0)
-                thread = threading.Thread(target=core.stop, name="supervisor-stop", daemon=True)
-                thread.start()
-                thread.join(limit)
-                if thread.is_alive():
-                    notes.append(f"the supervisor's stop took over {limit:.0f} s; what it had not released yet is "
-                                 "killed instead")
+    def make_supervisor(self, namespaces: list[str]) -> Any:
+        """The supervisor of this mode's fleet (not started), stopped within the budget at the end."""
+        from orchestrator.run_store import RunStore
+        from orchestrator.supervisor import SupervisorCore
 
-            stack.callback(timed("supervisor_stop", stop_core))
-            if args.serialize_launches and mode == "nodes":
-                serialize_launches(core)
-                notes.append("launches serialized by the benchmark (--serialize-launches)")
+        args = self.args
+        config = make_config(self.mode, self.base, args, namespaces)
+        RunStore.create(config).close()
+        self.run_dir = config.run_dir()
+        self.manifest.update(run_dir=str(self.run_dir))
+        core = SupervisorCore(config, self.run_dir)
+
+        def stop_core() -> None:
+            """``core.stop()``, but never past the budget: releasing an instance whose worker is still
+            starting waits for the start (up to 30 s); what it leaves is killed right after anyway."""
+            limit = max(self.wall0 + args.budget_s - time.monotonic() - CLEANUP_AFTER_STOP_S[self.mode], 2.0)
+            thread = threading.Thread(target=core.stop, name="supervisor-stop", daemon=True)
+            thread.start()
+            thread.join(limit)
+            if thread.is_alive():
+                self.notes.append(f"the supervisor's stop took over {limit:.0f} s; what it had not released yet is "
+                                  "killed instead")
+
+        self.at_exit("supervisor_stop", stop_core)
+        if args.serialize_launches and self.mode == "nodes":
+            serialize_launches(core)
+            self.notes.append("launches serialized by the benchmark (--serialize-launches)")
+        return core
+
+    def monitor(self, core: Any, ray: Any, t_start: float) -> None:
+        """Relay the run's events until the duration, the budget, or ``--post-s`` after the recovery."""
+        args, victim = self.args, self.victim
+        db = sqlite3.connect(f"file:{self.run_dir / 'run.sqlite'}?mode=ro", uri=True, timeout=30)
+        self.stack.callback(db.close)
+        budget_end = self.wall0 + args.budget_s - CLEANUP_RESERVE_S[self.mode]
+        deadline = min(t_start + args.duration_s, budget_end)
+        seen: set[str] = set()
+        replacement: str | None = None  # the first instance launched after the victim's notice
+        recovered = False  # the replacement made its first averaged step
+        stop_at = deadline
+        while time.monotonic() < stop_at:
+            self.end = time.time()
+            self.observed.poll(core, ray)
+            for kind, inst in _q(db, "SELECT kind, instance_id FROM events WHERE kind IN "
+                                     "('launch', 'notice', 'preempted', 'died', 'first_step') ORDER BY time"):
+                key = f"{kind}:{inst}"
+                if key in seen:
+                    continue
+                seen.add(key)
+                self.say(f"{kind} {inst} (epoch {core.epoch})")
+                if kind == "launch" and replacement is None and f"notice:{victim}" in seen:
+                    replacement = inst
+                if kind == "first_step" and inst == replacement:
+                    recovered = True
+                    if args.post_s is not None:
+                        stop_at = min(deadline, time.monotonic() + args.post_s)
+            time.sleep(0.5)  # bounded polling of the run store and the workers
+        self.end = time.time()
+        if stop_at == deadline and budget_end < t_start + args.duration_s:
+            self.notes.append(f"run cut to {time.monotonic() - t_start:.0f} s by the child's budget "
+                              f"({args.budget_s:.0f} s in all)")
+        if f"preempted:{victim}" not in seen:
+            self.notes.append(f"{victim} was not preempted in the run")
+        elif not recovered:
+            self.notes.append("the replacement made no averaged step in the run")
+
+    def run(self) -> None:
+        with self.stack:
+            cluster = self.start_head() if self.mode == "nodes" else None
+            ray = self.connect(cluster)
+            core = self.make_supervisor(list(cluster[0].namespaces) if cluster else [])
             t_start = time.monotonic()
             core.start()
-            notice = f" ({args.notice_s:g} s notice)" if args.notice_s else ""
-            say(f"supervisor started: {args.instances} x {NODE_TYPE} in {mode} mode; {victim} is killed "
-                f"{args.kill_after_s:g} s after its launch{notice}")
+            notice = f" ({self.args.notice_s:g} s notice)" if self.args.notice_s else ""
+            self.say(f"supervisor started: {self.args.instances} x {NODE_TYPE} in {self.mode} mode; {self.victim} "
+                     f"is killed {self.args.kill_after_s:g} s after its launch{notice}")
+            self.monitor(core, ray, t_start)
+            self.result["run_s"] = time.monotonic() - t_start
+            self.say(f"stopping (epoch {core.epoch}) ...")
 
-            db = sqlite3.connect(f"file:{run_dir / 'run.sqlite'}?mode=ro", uri=True, timeout=30)
-            stack.callback(db.close)
-            budget_end = wall0 + args.budget_s - CLEANUP_RESERVE_S[mode]
-            deadline = min(t_start + args.duration_s, budget_end)
-            seen: set[str] = set()
-            replacement: str | None = None  # the first instance launched after the victim's notice
-            recovered = False  # the replacement made its first averaged step
-            stop_at = deadline
-            while time.monotonic() < stop_at:
-                marks["end"] = time.time()
-                observed.poll(core, ray)
-                for kind, inst in _q(db, "SELECT kind, instance_id FROM events WHERE kind IN "
-                                         "('launch', 'notice', 'preempted', 'died', 'first_step') ORDER BY time"):
-                    key = f"{kind}:{inst}"
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    say(f"{kind} {inst} (epoch {core.epoch})")
-                    if kind == "launch" and replacement is None and f"notice:{victim}" in seen:
-                        replacement = inst
-                    if kind == "first_step" and inst == replacement:
-                        recovered = True
-                        if args.post_s is not None:
-                            stop_at = min(deadline, time.monotonic() + args.post_s)
-                time.sleep(0.5)  # bounded polling of the run store and the workers
-            marks["end"] = time.time()
-            if stop_at == deadline and budget_end < t_start + args.duration_s:
-                notes.append(f"run cut to {time.monotonic() - t_start:.0f} s by the child's budget "
-                             f"({args.budget_s:.0f} s in all)")
-            if f"preempted:{victim}" not in seen:
-                notes.append(f"{victim} was not preempted in the run")
-            elif not recovered:
-                notes.append("the replacement made no averaged step in the run")
-            result["run_s"] = time.monotonic() - t_start
-            say(f"stopping (epoch {core.epoch}) ...")
+    def report(self) -> dict[str, Any]:
+        """The run's figures (from its run store, if it got that far) and what the workers said."""
+        result, run_dir = self.result, self.run_dir
+        if run_dir is not None and (run_dir / "run.sqlite").exists():
+            try:
+                result.update(analyze(run_dir, self.args, self.victim, self.end))
+            except Exception as e:
+                log.exception("analysis failed")
+                result.setdefault("error", f"analysis: {type(e).__name__}: {e}")
+        result["stop_s"] = self.stopped.get("supervisor_stop")
+        result["cleanup_s"] = self.stopped
+        result["workers"] = workers = self.observed.workers
+        result["instances_sharing_an_ip"] = self.observed.shared_ip
+        result["distinct_nodes"] = len({w["node_id"] for w in workers.values()}) if workers else None
+        result["node_ips"] = sorted({w["node_ip"] for w in workers.values() if w.get("node_ip")})
+        result["peer_ips"] = sorted({w["peer_ip"] for w in workers.values() if w.get("peer_ip")})
+        result["notes"] = self.notes
+        result["child_wall_s"] = time.monotonic() - self.wall0
+        return result
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """One mode's run; prints progress lines, then one JSON line of its figures."""
+    _catch_sigterm()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    m = ModeRun(args)
+    try:
+        m.run()
     except _Stopped:
-        notes.append("stopped by the parent: time limit")
+        m.notes.append("stopped by the parent: time limit")
     except Exception as e:
-        log.exception("the %s run failed", mode)
-        result["error"] = f"{type(e).__name__}: {e}"
-    if run_dir is not None and (run_dir / "run.sqlite").exists():
-        try:
-            result.update(analyze(run_dir, args, victim, marks["end"]))
-        except Exception as e:
-            log.exception("analysis failed")
-            result.setdefault("error", f"analysis: {type(e).__name__}: {e}")
-    result["stop_s"] = stopped.get("supervisor_stop")
-    result["cleanup_s"] = stopped
-    result["workers"] = workers = observed.workers
-    result["instances_sharing_an_ip"] = observed.shared_ip
-    result["distinct_nodes"] = len({w["node_id"] for w in workers.values()}) if workers else None
-    result["node_ips"] = sorted({w["node_ip"] for w in workers.values() if w.get("node_ip")})
-    result["peer_ips"] = sorted({w["peer_ip"] for w in workers.values() if w.get("peer_ip")})
-    result["notes"] = notes
-    result["child_wall_s"] = time.monotonic() - wall0
-    say(f"done in {result['child_wall_s']:.1f} s (cleanup: "
-        + ", ".join(f"{k} {v:.1f} s" for k, v in stopped.items()) + ")")
-    print(json.dumps(result), flush=True)
+        log.exception("the %s run failed", m.mode)
+        m.result["error"] = f"{type(e).__name__}: {e}"
+    result = m.report()
+    m.say(f"done in {result['child_wall_s']:.1f} s (cleanup: "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in m.stopped.items()) + ")")
+    emit(result)
 
 
 # ---- the parent: both runs, the table, the JSON ---------------------------------------------------------
@@ -633,18 +661,8 @@ def run_mode(mode: str, args: argparse.Namespace, base: Path, budget_s: float) -
             "--budget-s", str(budget_s), *args.child_argv]
     err_path = child_base / "stderr.log"
     t0 = time.monotonic()
-    with open(err_path, "wb") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env,
-                                cwd=ROOT, start_new_session=True, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
+    child = Child(mode, argv, env=env, stdin=False, log_path=str(err_path))
+    proc = child.proc
     last_json: dict[str, Any] | None = None
     hard_deadline = t0 + limit_s
     terminated_at: float | None = None
@@ -667,8 +685,8 @@ def run_mode(mode: str, args: argparse.Namespace, base: Path, budget_s: float) -
             _kill_session(proc.pid, grace_s=0.0)
             break
         try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
+            line = child.next_line(now + 0.2)
+        except ChildTimeout:
             continue
         if line is None:
             break
@@ -682,8 +700,7 @@ def run_mode(mode: str, args: argparse.Namespace, base: Path, budget_s: float) -
         _wait(lambda: _exited(proc), 10.0, "the child to exit", every=0.1)
     run.wall_s = time.monotonic() - t0
     _kill_session(proc.pid, grace_s=2.0)  # whatever is left of its session (Ray's processes of actors mode)
-    proc.wait(timeout=10)
-    close_pipes(proc)
+    child.kill()
     run.cleanup = cleanup_from_manifest(child_base / "manifest.json", str(child_base))
     if run.cleanup:
         print(f"  [{mode}] removed what the child left behind: {'; '.join(run.cleanup)}", flush=True)
@@ -695,15 +712,11 @@ def run_mode(mode: str, args: argparse.Namespace, base: Path, budget_s: float) -
     return run
 
 
-def _fmt(x: Any, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def report(runs: dict[str, ChildRun], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+def print_report(runs: dict[str, ChildRun], args: argparse.Namespace, wall_s: float) -> None:
     n, a = runs["nodes"].result, runs["actors"].result
     print()
     print(f"fleet: {args.instances} x {NODE_TYPE} instances training 'synthetic' (target batch "
@@ -748,12 +761,9 @@ def report(runs: dict[str, ChildRun], args: argparse.Namespace, wall_s: float) -
         ("Ray nodes that hosted a worker", n.get("distinct_nodes"), a.get("distinct_nodes"), "d", False),
         ("child wall time, s", runs["nodes"].wall_s or None, runs["actors"].wall_s or None, ".1f", False),
     ]
-    hdr = f"{'figure':<48}{'nodes':>10}{'actors':>10}{'nodes/actors':>14}"
-    print(hdr)
-    print("-" * len(hdr))
-    for name, x, y, spec, ratio in rows:
-        r = _ratio(x, y) if ratio else None
-        print(f"{name:<48}{_fmt(x, spec):>10}{_fmt(y, spec):>10}{_fmt(r, '.3f') if ratio else '':>14}")
+    print_table(["<48", ">10", ">10", ">14"], ["figure", "nodes", "actors", "nodes/actors"],
+                [(name, fmt(x, spec), fmt(y, spec), fmt(_ratio(x, y), ".3f") if ratio else "")
+                 for name, x, y, spec, ratio in rows], rule=True)
     workers = n.get("workers") or {}
     if workers:
         print()
@@ -766,7 +776,10 @@ def report(runs: dict[str, ChildRun], args: argparse.Namespace, wall_s: float) -
                   "intended one namespace per instance (see --serialize-launches)")
     print(f"wall {wall_s:.0f} s")
 
-    figures: dict[str, Any] = {
+
+def figures_of(runs: dict[str, ChildRun], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+    n, a = runs["nodes"].result, runs["actors"].result
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": args.quick,
         "distinct_nodes": n.get("distinct_nodes"),
@@ -821,10 +834,9 @@ def report(runs: dict[str, ChildRun], args: argparse.Namespace, wall_s: float) -
         "timed_out": [m for m, r in runs.items() if r.timed_out],
         "serialize_launches": args.serialize_launches,
     }
-    return figures
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="kill 13 s after launch, stop 3 s after the replacement's first step (a smoke test)")
@@ -858,13 +870,6 @@ def main() -> None:
     args.warmup_s = args.warmup_s if args.warmup_s is not None else (1.0 if args.quick else 5.0)
     if args.notice_s > args.kill_after_s:
         parser.error("--notice-s cannot exceed --kill-after-s")
-    if args.role:
-        run_child(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # everything it started is stopped; never wait for a pool thread stuck in a Ray call
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.child_argv = ["--instances", str(args.instances), "--target-batch-size", str(args.target_batch_size),
                        "--duration-s", str(args.duration_s), "--kill-after-s", str(args.kill_after_s),
                        "--notice-s", str(args.notice_s), "--warmup-s", str(args.warmup_s),
@@ -873,6 +878,18 @@ def main() -> None:
         args.child_argv.append("--serialize-launches")
     if args.post_s is not None:
         args.child_argv += ["--post-s", str(args.post_s)]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.role:
+        run_child(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # everything it started is stopped; never wait for a pool thread stuck in a Ray call
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     wall0 = time.monotonic()
     base = Path(tempfile.mkdtemp(prefix="sswmn-", dir="/tmp" if os.path.isdir("/tmp") else None))
     runs = {m: ChildRun(m, 0.0) for m in MODES}
@@ -900,8 +917,9 @@ def main() -> None:
             shutil.copytree(base, Path(args.keep) / base.name, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("sockets", "*.sock", "session_latest"), symlinks=True)
         shutil.rmtree(base, ignore_errors=True)
-    figures = report(runs, args, time.monotonic() - wall0)
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}))
+    wall_s = time.monotonic() - wall0
+    print_report(runs, args, wall_s)
+    print_json(figures_of(runs, args, wall_s))
 
 
 if __name__ == "__main__":

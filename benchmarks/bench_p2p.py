@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,10 +25,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import uvloop  # noqa: E402
+from _common import Child, fmt, guarded, percentile, print_json, print_table, stop_all  # noqa: E402
 
 from p2p import P2P, CallKind  # noqa: E402
 
 MiB = 1 << 20
+ME = [sys.executable, os.path.abspath(__file__)]
+LIMIT_S = 300.0  # each part, its child included
 
 
 # ---- serving side (child process) --------------------------------------------------------------
@@ -108,7 +110,6 @@ async def _measure(addr: str, n_calls: int, nbytes: int, reps: int, concurrency:
         t0 = time.perf_counter()
         await node.call(addr, "empty")
         lat.append(time.perf_counter() - t0)
-    lat.sort()
 
     async def worker(k: int) -> None:
         for _ in range(k):
@@ -130,12 +131,45 @@ async def _measure(addr: str, n_calls: int, nbytes: int, reps: int, concurrency:
         best = max(best, nbytes / MiB / (time.perf_counter() - t0))
     await node.shutdown()
     return {
-        "rtt_p50_us": lat[len(lat) // 2] * 1e6,
-        "rtt_p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+        "rtt_p50_us": percentile(lat, 0.5) * 1e6,
+        "rtt_p99_us": percentile(lat, 0.99) * 1e6,
         "rtt_mean_us": statistics.fmean(lat) * 1e6,
         "calls_per_s": calls_per_s,
         "stream_mb_s": best,
     }
+
+
+def measure_rpc(chunk_mib: int, n_calls: int, nbytes: int, reps: int) -> dict:
+    server = Child("the serving child", [*ME, "--serve", "--chunk-mib", str(chunk_mib)], quit_line=None)
+    try:
+        addr = server.recv("addr", time.monotonic() + 60)["addr"]
+        return uvloop.run(asyncio.wait_for(_measure(addr, n_calls, nbytes, reps, concurrency=64), LIMIT_S))
+    finally:
+        stop_all([server], grace=30)
+
+
+def measure_raw(nbytes: int, reps: int) -> dict:
+    server = Child("the raw-socket child", [*ME, "--serve-raw"], stdin=False)
+    try:
+        port = server.recv("raw_port", time.monotonic() + 60)["raw_port"]
+        return {"raw_socket_mb_s": _raw_rate(port, nbytes, reps)}
+    finally:
+        stop_all([server], grace=30)
+
+
+def print_figures(figures: dict) -> None:
+    rows = [
+        ("empty call RTT p50 (us)", figures.get("rtt_p50_us"), "<= 200"),
+        ("empty call RTT p99 (us)", figures.get("rtt_p99_us"), ""),
+        ("calls/s (64 in flight)", figures.get("calls_per_s"), ""),
+        ("stream 256 MiB (MB/s)", figures.get("stream_mb_s"), ""),
+        ("raw sendall (MB/s)", figures.get("raw_socket_mb_s"), ""),
+        ("stream / raw", figures.get("stream_fraction_of_raw"), ">= 0.60"),
+    ]
+    print_table(["<28", ">14"], ["figure", "value", "target"], [(name, fmt(v, ".2f"), t) for name, v, t in rows])
+    for key, value in figures.items():
+        if key.endswith("_error"):
+            print(f"{key}: {value}")
 
 
 def main() -> None:
@@ -155,38 +189,13 @@ def main() -> None:
     n_calls = 5000 if args.quick else 50000
     reps = 3 if args.quick else 7
     nbytes = 256 * MiB
-    me = [sys.executable, os.path.abspath(__file__)]
-    child = subprocess.Popen([*me, "--serve", "--chunk-mib", str(args.chunk_mib)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    raw_child = subprocess.Popen([*me, "--serve-raw"], stdout=subprocess.PIPE, text=True)
-    try:
-        info = json.loads(child.stdout.readline())
-        figures = uvloop.run(_measure(info["addr"], n_calls, nbytes, reps, concurrency=64))
-        child.stdin.close()
-        child.wait(timeout=30)
-        raw_port = json.loads(raw_child.stdout.readline())["raw_port"]
-        figures["raw_socket_mb_s"] = _raw_rate(raw_port, nbytes, reps)
-        raw_child.wait(timeout=30)
-    finally:
-        for proc in (child, raw_child):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    figures["stream_fraction_of_raw"] = figures["stream_mb_s"] / figures["raw_socket_mb_s"]
+    figures = guarded("p2p", measure_rpc, args.chunk_mib, n_calls, nbytes, reps)
+    figures.update(guarded("raw", measure_raw, nbytes, reps))
+    if "stream_mb_s" in figures and "raw_socket_mb_s" in figures:
+        figures["stream_fraction_of_raw"] = figures["stream_mb_s"] / figures["raw_socket_mb_s"]
     figures.update(quick=args.quick, calls=n_calls, stream_bytes=nbytes, chunk_mib=args.chunk_mib)
-
-    print(f"{'figure':<28}{'value':>14}   target")
-    rows = [
-        ("empty call RTT p50 (us)", figures["rtt_p50_us"], "<= 200"),
-        ("empty call RTT p99 (us)", figures["rtt_p99_us"], ""),
-        ("calls/s (64 in flight)", figures["calls_per_s"], ""),
-        ("stream 256 MiB (MB/s)", figures["stream_mb_s"], ""),
-        ("raw sendall (MB/s)", figures["raw_socket_mb_s"], ""),
-        ("stream / raw", figures["stream_fraction_of_raw"], ">= 0.60"),
-    ]
-    for name, value, target in rows:
-        print(f"{name:<28}{value:>14.2f}   {target}")
-    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in figures.items()}))
+    print_figures(figures)
+    print_json(figures, digits=3)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ Prints tables, then one JSON line of figures.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -74,6 +73,8 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+from _common import WarningCounter, fmt, print_json, print_table, retry  # noqa: E402
 
 ON_DEMAND = 1.00  # $/h per instance
 SPOT_RATIO = 0.3
@@ -319,16 +320,11 @@ def _rate_by_peers(runs: list[Run], tbs: int) -> dict[int, tuple[float, float]]:
 
 
 # ---- reporting ---------------------------------------------------------------------------------
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.seen: dict[str, int] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        key = f"{record.levelname} {record.name}: {record.getMessage()[:160]}"
-        if record.exc_info and record.exc_info[0] is not None:
-            key += f" [{record.exc_info[0].__name__}: {str(record.exc_info[1])[:100]}]"
-        self.seen[key] = self.seen.get(key, 0) + 1
+def _warning_key(record: logging.LogRecord) -> str:
+    key = f"{record.levelname} {record.name}: {record.getMessage()[:160]}"
+    if record.exc_info and record.exc_info[0] is not None:
+        key += f" [{record.exc_info[0].__name__}: {str(record.exc_info[1])[:100]}]"
+    return key
 
 
 def _quiet_worker_deaths(counter: dict) -> None:
@@ -347,11 +343,31 @@ def _quiet_worker_deaths(counter: dict) -> None:
     rw.print_to_stdstream = filtered
 
 
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
+# ---- the benchmark's steps ---------------------------------------------------------------------
+@dataclass
+class Bench:
+    """What the steps share: the arguments, the runs so far, E, and what the report needs."""
+
+    args: argparse.Namespace
+    wall0: float
+    base: Path | None = None
+    runs: list[Run] = field(default_factory=list)
+    epoch_s: float = 0.0
+    checkpoint_s: float = 0.0
+    ray_up_s: float = 0.0
+    session_dir: str | None = None
+    counter: dict = field(default_factory=lambda: {"worker_deaths": 0})
+    collect: WarningCounter = field(default_factory=lambda: WarningCounter(_warning_key))
+
+    @property
+    def scale(self) -> float:
+        return self.args.time_scale
+
+    def stamp(self) -> str:
+        return f"[{time.monotonic() - self.wall0:6.1f}s load {os.getloadavg()[0]:4.1f}]"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="calibration as none, then L20, 12-s windows (smoke test)")
     parser.add_argument("--instances", type=int, default=3)
@@ -381,185 +397,198 @@ def main() -> None:
         args.task_spec = task_spec(args.device_ms)
     else:
         args.task_spec = "synthetic"
+    return args
 
-    collect = _Collect()
-    for name in ("orchestrator", "workers", "dht", "averaging", "p2p"):
-        logging.getLogger(name).addHandler(collect)
-        logging.getLogger(name).propagate = False
 
-    wall0 = time.monotonic()
-    load0 = os.getloadavg()
+def start_ray(b: Bench) -> None:
+    """One local Ray session for every run (three tries); Ray's 'worker died' lines counted, not printed."""
     import ray
 
-    base = Path(args.keep_runs) if args.keep_runs else Path(tempfile.mkdtemp(prefix="bench-preemption-"))
-    base.mkdir(parents=True, exist_ok=True)
-    scale = args.time_scale
-    runs: list[Run] = []
-    counter = {"worker_deaths": 0}
-    session_dir = None
-
-    def stamp() -> str:
-        return f"[{time.monotonic() - wall0:6.1f}s load {os.getloadavg()[0]:4.1f}]"
-
+    retry(lambda: ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False, configure_logging=False,
+                           namespace="spotswarm-bench-preemption"))
+    b.ray_up_s = time.monotonic() - b.wall0
+    _quiet_worker_deaths(b.counter)
     try:
-        for attempt in range(3):
-            try:
-                ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False, configure_logging=False,
-                         namespace="spotswarm-bench-preemption")
-                break
-            except Exception:
-                if attempt == 2:
-                    raise
-                time.sleep(1.0)
-        ray_up_s = time.monotonic() - wall0
-        _quiet_worker_deaths(counter)
-        try:
-            session_dir = ray._private.worker._global_node.get_session_dir_path()
-        except Exception:
-            session_dir = None
+        b.session_dir = ray._private.worker._global_node.get_session_dir_path()
+    except Exception:
+        b.session_dir = None
 
-        # 1. calibration: epoch time E
-        cal = Run("none" if args.quick else "calibration", 0, args.seed)
-        runs.append(cal)
-        print(f"{stamp()} calibration: no preemptions, {args.calibration_s:g} s window ...", flush=True)
-        run_one(cal, make_config("bp-cal", args, args.seed, None, 300.0), base, args, args.calibration_s,
-                min_epochs=0 if args.quick else 10, max_window_real_s=None if args.quick else 4 * args.calibration_s)
-        if cal.error or cal.epochs == 0:
-            why = cal.error or "no epoch in the window"
-            print(f"the calibration run failed: {why}")
-            print(json.dumps({"error": f"calibration failed: {why}", "quick": args.quick}))
-            sys.exit(1)
-        # E from epoch boundary to epoch boundary: the first record of the window's last epoch
-        last = max(e for t, e, _ in cal.rows)
-        t_last = min(t for t, e, _ in cal.rows if e == last)
-        counted = last - _epoch_at(cal.rows, cal.t0)
-        epoch_s = (t_last - cal.t0) / counted
-        checkpoint_s = args.checkpoint_epochs * epoch_s
-        print(f"{stamp()} E = {epoch_s:.1f} s ({epoch_s / scale:.2f} s real) over {counted} epochs", flush=True)
 
-        # 2. the cases, interleaved
-        cases = [("L20", 20)] if args.quick else [("none", None)] + [(f"L{k}", k) for k in LIFETIME_FACTORS]
-        for r in range(args.rounds):
-            seed = args.seed + r
-            for name, k in cases[r % len(cases):] + cases[: r % len(cases)]:
-                mean = k * epoch_s if k else None
-                run = Run(name, r, seed, k, mean)
-                runs.append(run)
-                life = f"mean lifetime {mean:.0f} s ({mean / scale:.0f} s real)" if mean else "no preemptions"
-                print(f"{stamp()} round {r + 1}/{args.rounds} {name}: {life} ...", flush=True)
-                run_one(run, make_config(f"bp-{name.lower()}-r{r}", args, seed, mean, checkpoint_s), base, args,
-                        args.window_s)
-                if run.error:
-                    print(f"    failed: {run.error}", flush=True)
-    finally:
-        ray.shutdown()
-        if not args.keep_runs:
-            shutil.rmtree(base, ignore_errors=True)
+def calibrate(b: Bench) -> None:
+    """Step 1: the epoch time E, from a run without preemptions (exits if it fails)."""
+    args = b.args
+    cal = Run("none" if args.quick else "calibration", 0, args.seed)
+    b.runs.append(cal)
+    print(f"{b.stamp()} calibration: no preemptions, {args.calibration_s:g} s window ...", flush=True)
+    run_one(cal, make_config("bp-cal", args, args.seed, None, 300.0), b.base, args, args.calibration_s,
+            min_epochs=0 if args.quick else 10, max_window_real_s=None if args.quick else 4 * args.calibration_s)
+    if cal.error or cal.epochs == 0:
+        why = cal.error or "no epoch in the window"
+        print(f"the calibration run failed: {why}")
+        print_json({"error": f"calibration failed: {why}", "quick": args.quick})
+        sys.exit(1)
+    # E from epoch boundary to epoch boundary: the first record of the window's last epoch
+    last = max(e for t, e, _ in cal.rows)
+    t_last = min(t for t, e, _ in cal.rows if e == last)
+    counted = last - _epoch_at(cal.rows, cal.t0)
+    b.epoch_s = (t_last - cal.t0) / counted
+    b.checkpoint_s = args.checkpoint_epochs * b.epoch_s
+    print(f"{b.stamp()} E = {b.epoch_s:.1f} s ({b.epoch_s / b.scale:.2f} s real) over {counted} epochs", flush=True)
 
-    # ---- aggregate
-    ok = [r for r in runs if r.error is None and r.case != "calibration"]
+
+def run_cases(b: Bench) -> None:
+    """Step 2: the cases, in interleaved rounds (the order rotates each round)."""
+    args = b.args
+    cases = [("L20", 20)] if args.quick else [("none", None)] + [(f"L{k}", k) for k in LIFETIME_FACTORS]
+    for r in range(args.rounds):
+        seed = args.seed + r
+        for name, k in cases[r % len(cases):] + cases[: r % len(cases)]:
+            mean = k * b.epoch_s if k else None
+            run = Run(name, r, seed, k, mean)
+            b.runs.append(run)
+            life = f"mean lifetime {mean:.0f} s ({mean / b.scale:.0f} s real)" if mean else "no preemptions"
+            print(f"{b.stamp()} round {r + 1}/{args.rounds} {name}: {life} ...", flush=True)
+            run_one(run, make_config(f"bp-{name.lower()}-r{r}", args, seed, mean, b.checkpoint_s), b.base, args,
+                    args.window_s)
+            if run.error:
+                print(f"    failed: {run.error}", flush=True)
+
+
+def agg_rate(rs: list[Run]) -> float:
+    return sum(r.samples for r in rs) / sum(r.window for r in rs)
+
+
+@dataclass
+class Summary:
+    """The runs by case, against the no-preemption reference, and the simulated restart baseline."""
+
+    ok: list[Run]
+    by_case: dict[str, list[Run]]
+    ref_rate: float
+    od_per_ms: float  # $ per million samples of none at on-demand prices
+    boot_s: float
+    baseline: dict[str, dict]
+    cases: dict[str, dict] = field(default_factory=dict)  # retained and $ ratio per case that ran
+
+    def retained(self, name: str) -> float | None:
+        return self.cases.get(name, {}).get("retained")
+
+
+def summarize(b: Bench) -> Summary:
+    ok = [r for r in b.runs if r.error is None and r.case != "calibration"]
     by_case: dict[str, list[Run]] = {}
     for r in ok:
         by_case.setdefault(r.case, []).append(r)
     nones = by_case.get("none", [])
     if not nones or sum(r.samples for r in nones) == 0:
-        print(json.dumps({"error": "no successful no-preemption run", "quick": args.quick}))
+        print_json({"error": "no successful no-preemption run", "quick": b.args.quick})
         sys.exit(1)
-
-    def agg_rate(rs: list[Run]) -> float:
-        return sum(r.samples for r in rs) / sum(r.window for r in rs)
-
     ref_rate = agg_rate(nones)
-    od_per_ms = sum(r.od_dollars for r in nones) / sum(r.samples for r in nones) * 1e6
-    boots = [r.t0 - r.first_launch - epoch_s for r in runs if r.error is None and r.factor is None]
+    boots = [r.t0 - r.first_launch - b.epoch_s for r in b.runs if r.error is None and r.factor is None]
     boot_s = max(statistics.fmean(boots), 0.0)
-    n = args.instances
-    window_sim = args.window_s * scale
-    w0 = boot_s + epoch_s
+    return Summary(ok, by_case, ref_rate, sum(r.od_dollars for r in nones) / sum(r.samples for r in nones) * 1e6,
+                   boot_s, restart_baselines(b, by_case, ref_rate, boot_s))
 
+
+def restart_baselines(b: Bench, by_case: dict[str, list[Run]], ref_rate: float, boot_s: float) -> dict[str, dict]:
+    """The restart baseline per lifetime, simulated on the rounds' seeds and on 1000 seeds."""
+    args = b.args
+    w0 = boot_s + b.epoch_s
+    w1 = w0 + args.window_s * b.scale
     baseline: dict[str, dict] = {}
     for name, k in [(f"L{k}", k) for k in LIFETIME_FACTORS]:
-        mean = k * epoch_s
+        mean = k * b.epoch_s
         seeds = [r.seed for r in by_case.get(name, [])] or [args.seed + r for r in range(args.rounds)]
-        sims = [simulate_restart(s, mean, n, ref_rate, checkpoint_s, args.provisioning_s, boot_s, w0, w0 + window_sim)
-                for s in seeds]
+        sims = [simulate_restart(s, mean, args.instances, ref_rate, b.checkpoint_s, args.provisioning_s, boot_s,
+                                 w0, w1) for s in seeds]
         samples = sum(s["samples"] for s in sims)
         inst_s = sum(s["instance_seconds"] for s in sims)
-        many = [simulate_restart(s, mean, n, ref_rate, checkpoint_s, args.provisioning_s, boot_s, w0,
-                                 w0 + window_sim)["retained"] for s in range(1000)]
+        many = [simulate_restart(s, mean, args.instances, ref_rate, b.checkpoint_s, args.provisioning_s, boot_s,
+                                 w0, w1)["retained"] for s in range(1000)]
         baseline[name] = {
             "retained": samples / (ref_rate * sum(s["window"] for s in sims)),
             "mean_1000_seeds": statistics.fmean(many),
             "restarts": sum(s["restarts"] for s in sims),
             "dpm": inst_s / 3600 * SPOT_RATIO * ON_DEMAND / samples * 1e6 if samples > 0 else None,
         }
+    return baseline
 
-    # ---- tables
+
+def print_setup(b: Bench, s: Summary) -> None:
+    args, scale, epoch_s = b.args, b.scale, b.epoch_s
     print()
-    print(f"fleet: {n} x {NODE_TYPE} spot instances, task {args.task_spec}, target_batch_size "
+    print(f"fleet: {args.instances} x {NODE_TYPE} spot instances, task {args.task_spec}, target_batch_size "
           f"{args.target_batch_size}, time_scale {scale:g} (simulated s per real s); one Ray session")
-    print(f"E = {epoch_s:.1f} s ({epoch_s / scale:.2f} s real, calibration run); B = {boot_s:.0f} s "
-          f"({boot_s / scale:.1f} s real) = {boot_s / epoch_s:.1f} E; provisioning {args.provisioning_s:g} s; "
-          f"notice {args.notice_s:g} s; checkpoint every {checkpoint_s:.0f} s = {args.checkpoint_epochs:g} E")
-    print(f"window {window_sim:.0f} s ({args.window_s:g} s real) per run, {args.rounds} round(s); prices: "
+    print(f"E = {epoch_s:.1f} s ({epoch_s / scale:.2f} s real, calibration run); B = {s.boot_s:.0f} s "
+          f"({s.boot_s / scale:.1f} s real) = {s.boot_s / epoch_s:.1f} E; provisioning {args.provisioning_s:g} s; "
+          f"notice {args.notice_s:g} s; checkpoint every {b.checkpoint_s:.0f} s = {args.checkpoint_epochs:g} E")
+    print(f"window {args.window_s * scale:.0f} s ({args.window_s:g} s real) per run, {args.rounds} round(s); prices: "
           f"on-demand ${ON_DEMAND:.2f}/h, spot ${SPOT_RATIO * ON_DEMAND:.2f}/h")
     print()
-    hdr = (f"{'round':<6}{'case':<12}{'life/E':>7}{'preempt':>8}{'peers':>6}{'epochs':>7}{'samples/s':>11}"
-           f"{'vs none':>8}{'load':>6}{'wall':>6}  kill time - drawn lifetime (real)")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in runs:
+
+
+def print_runs(b: Bench, s: Summary) -> None:
+    nones = s.by_case["none"]
+    rows = []
+    for r in b.runs:
         if r.error:
-            print(f"{r.round + 1:<6}{r.case:<12}  FAILED: {r.error}")
+            rows.append((r.round + 1, r.case, f"  FAILED: {r.error}"))
             continue
         same = [x for x in nones if x.round == r.round]
         vs = r.rate / same[0].rate if same and same[0].rate > 0 and r.case != "calibration" else None
-        print(f"{r.round + 1:<6}{r.case:<12}{_fmt(r.factor, 'g') if r.factor else '-':>7}{r.preempted_in_window:>8}"
-              f"{r.peer_seconds / r.window:>6.2f}{r.epochs:>7.1f}{r.rate * scale:>11.0f}{_fmt(vs):>8}"
-              f"{statistics.fmean(r.load) if r.load else 0:>6.1f}{r.wall_s:>6.0f}  {r.lifetime_check}")
+        rows.append((r.round + 1, r.case, fmt(r.factor, "g") if r.factor else "-", r.preempted_in_window,
+                     f"{r.peer_seconds / r.window:.2f}", f"{r.epochs:.1f}", f"{r.rate * b.scale:.0f}", fmt(vs),
+                     f"{statistics.fmean(r.load) if r.load else 0:.1f}", f"{r.wall_s:.0f}", r.lifetime_check))
+    print_table(["<6", "<12", ">7", ">8", ">6", ">7", ">11", ">8", ">6", ">6"],
+                ["round", "case", "life/E", "preempt", "peers", "epochs", "samples/s", "vs none", "load", "wall",
+                 "kill time - drawn lifetime (real)"], rows, note_sep="  ", rule=True)
     print("(samples/s per real second; preempt = preemptions in the window; peers = mean live peers;"
           " vs none = against the same round's none; load = 1-min load average during the window)")
     print()
+
+
+def print_cases(b: Bench, s: Summary) -> None:
+    """Per case, against none and the restart baseline; fills ``s.cases``."""
     hdr = (f"{'case':<6}{'preempt':>8}{'samples/s':>11}{'retained':>9}{'$/Msample':>11}{'vs OD':>7}"
            f"   restart baseline (simulated): {'retained':>8}{'1000 seeds':>11}{'restarts':>9}{'vs OD':>7}")
     print(hdr)
     print("-" * len(hdr))
-    figures_cases = {}
     for name in ["none"] + [f"L{k}" for k in LIFETIME_FACTORS]:
-        rs = by_case.get(name)
-        b = baseline.get(name)
-        btxt = (f"   {'':>30}{b['retained']:>8.3f}{b['mean_1000_seeds']:>11.3f}{b['restarts']:>9}"
-                f"{_fmt(b['dpm'] / od_per_ms if b['dpm'] else None):>7}") if b else ""
+        rs = s.by_case.get(name)
+        bl = s.baseline.get(name)
+        btxt = (f"   {'':>30}{bl['retained']:>8.3f}{bl['mean_1000_seeds']:>11.3f}{bl['restarts']:>9}"
+                f"{fmt(bl['dpm'] / s.od_per_ms if bl['dpm'] else None):>7}") if bl else ""
         if not rs:
             print(f"{name:<6}{'not run':>35}{btxt}")
             continue
         rate = agg_rate(rs)
         samples = sum(r.samples for r in rs)
         dpm = sum(r.spot_dollars for r in rs) / samples * 1e6 if samples else None
-        figures_cases[name] = {"retained": rate / ref_rate, "dpm_ratio": dpm / od_per_ms if dpm else None}
-        print(f"{name:<6}{sum(r.preempted_in_window for r in rs):>8}{rate * scale:>11.0f}{rate / ref_rate:>9.3f}"
-              f"{_fmt(dpm, '.4f'):>11}{_fmt(dpm / od_per_ms if dpm else None):>7}{btxt}")
-    print(f"{'none at on-demand prices':<34}{od_per_ms:>11.4f}{1.0:>7.3f}")
+        s.cases[name] = {"retained": rate / s.ref_rate, "dpm_ratio": dpm / s.od_per_ms if dpm else None}
+        print(f"{name:<6}{sum(r.preempted_in_window for r in rs):>8}{rate * b.scale:>11.0f}{rate / s.ref_rate:>9.3f}"
+              f"{fmt(dpm, '.4f'):>11}{fmt(dpm / s.od_per_ms if dpm else None):>7}{btxt}")
+    print(f"{'none at on-demand prices':<34}{s.od_per_ms:>11.4f}{1.0:>7.3f}")
 
-    def retained(name: str) -> float | None:
-        return figures_cases.get(name, {}).get("retained")
 
-    ratio = figures_cases.get("L20", {}).get("dpm_ratio")
-    r20, b20 = retained("L20"), baseline["L20"]["retained"]
+def print_checks(s: Summary) -> None:
+    r20, b20 = s.retained("L20"), s.baseline["L20"]["retained"]
     print()
-    print(f"{'figure':<44}{'value':>9}   target")
     checks = [
         ("retained at lifetime 20 x E", r20, ">= 0.80", lambda v: v >= 0.8),
         ("restart baseline at 20 x E (simulated)", b20, "", None),
         ("retained / restart baseline at 20 x E", r20 / b20 if r20 is not None and b20 > 0 else None,
          "well above 1 (>= 1.5)", lambda v: v >= 1.5),
-        ("$/Msample L20 spot / none on-demand", ratio, "<= 0.40", lambda v: v <= 0.4),
+        ("$/Msample L20 spot / none on-demand", s.cases.get("L20", {}).get("dpm_ratio"), "<= 0.40", lambda v: v <= 0.4),
     ]
+    print(f"{'figure':<44}{'value':>9}   target")
     for name, value, target, good in checks:
         mark = "" if good is None or value is None else ("  ok" if good(value) else "  MISSED")
-        print(f"{name:<44}{_fmt(value):>9}   {target}{mark}")
+        print(f"{name:<44}{fmt(value):>9}   {target}{mark}")
     print()
-    by_peers = _rate_by_peers(ok, args.target_batch_size)
+
+
+def print_notes(b: Bench, by_peers: dict[int, tuple[float, float]], load0: tuple, load1: tuple, wall: float) -> None:
+    n, scale = b.args.instances, b.scale
     print("samples/s by live peers, all runs (between consecutive epochs, approximate): "
           + ", ".join(f"{p} peers {rt * scale:.0f} ({sec / scale:.0f} s real)"
                       for p, (rt, sec) in sorted(by_peers.items())))
@@ -569,40 +598,72 @@ def main() -> None:
         print(f"WARNING: {n - 1} live peers trained {fewer / full:.2f}x as fast as {n} (linear scaling: "
               f"{(n - 1) / n:.2f}): the peers share this machine's CPU, so losing one costs little and 'retained' "
               "says more about CPU contention than about preemptions; --device-ms gives each peer its own capacity")
-    print(f"instances killed by the simulator (Ray 'worker died' notices, not printed): {counter['worker_deaths']}")
-    if collect.seen:
-        print(f"warnings logged in this process ({sum(collect.seen.values())}):")
-        for msg, count in sorted(collect.seen.items(), key=lambda kv: -kv[1])[:12]:
+    print(f"instances killed by the simulator (Ray 'worker died' notices, not printed): {b.counter['worker_deaths']}")
+    if b.collect.counts:
+        print(f"warnings logged in this process ({sum(b.collect.counts.values())}):")
+        for msg, count in b.collect.counts.most_common(12):
             print(f"  {count:>4} x {msg}")
-    if session_dir:
-        print(f"instance (Ray actor) logs: {session_dir}/logs")
-    wall = time.monotonic() - wall0
-    load1 = os.getloadavg()
-    print(f"wall {wall:.0f} s (Ray start {ray_up_s:.0f} s); load average at start {load0[0]:.2f} {load0[1]:.2f} "
+    if b.session_dir:
+        print(f"instance (Ray actor) logs: {b.session_dir}/logs")
+    print(f"wall {wall:.0f} s (Ray start {b.ray_up_s:.0f} s); load average at start {load0[0]:.2f} {load0[1]:.2f} "
           f"{load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    if args.quick:
+    if b.args.quick:
         print("--quick: a smoke test, not a measurement (calibration run doubles as none; L20 only; 12-s windows); "
               "Ray start-up plus two fleet boots do not fit in 60 s on this machine")
 
-    figures = {
-        "retained_l10": retained("L10"), "retained_l20": r20, "retained_l50": retained("L50"),
-        "restart_baseline_l20": b20, "restart_baseline_l20_mean_1000_seeds": baseline["L20"]["mean_1000_seeds"],
-        "restart_baseline_l10": baseline["L10"]["retained"], "restart_baseline_l50": baseline["L50"]["retained"],
+
+def figures_of(b: Bench, s: Summary, by_peers: dict[int, tuple[float, float]], load0: tuple, load1: tuple,
+               wall: float) -> dict:
+    args, scale = b.args, b.scale
+    return {
+        "retained_l10": s.retained("L10"), "retained_l20": s.retained("L20"), "retained_l50": s.retained("L50"),
+        "restart_baseline_l20": s.baseline["L20"]["retained"],
+        "restart_baseline_l20_mean_1000_seeds": s.baseline["L20"]["mean_1000_seeds"],
+        "restart_baseline_l10": s.baseline["L10"]["retained"], "restart_baseline_l50": s.baseline["L50"]["retained"],
         "restart_baseline_simulated": True,
-        "cost_per_msample_ratio_vs_ondemand": ratio,
-        "samples_per_s_none": ref_rate * scale,
+        "cost_per_msample_ratio_vs_ondemand": s.cases.get("L20", {}).get("dpm_ratio"),
+        "samples_per_s_none": s.ref_rate * scale,
         "preemptions_in_window": {c: sum(r.preempted_in_window for r in rs)
-                                  for c, rs in by_case.items() if c != "none"},
-        "epoch_time_s": epoch_s, "epoch_time_real_s": epoch_s / scale, "boot_s": boot_s,
-        "checkpoint_every_s": checkpoint_s, "provisioning_delay_s": args.provisioning_s,
+                                  for c, rs in s.by_case.items() if c != "none"},
+        "epoch_time_s": b.epoch_s, "epoch_time_real_s": b.epoch_s / scale, "boot_s": s.boot_s,
+        "checkpoint_every_s": b.checkpoint_s, "provisioning_delay_s": args.provisioning_s,
         "notice_period_s": args.notice_s, "time_scale": scale, "window_real_s": args.window_s, "rounds": args.rounds,
-        "instances": n, "task": args.task_spec, "target_batch_size": args.target_batch_size,
-        "spot_price_ratio": SPOT_RATIO, "seed": args.seed, "quick": args.quick, "wall_s": wall, "ray_start_s": ray_up_s,
-        "load_avg_start": list(load0), "load_avg_end": list(load1),
+        "instances": args.instances, "task": args.task_spec, "target_batch_size": args.target_batch_size,
+        "spot_price_ratio": SPOT_RATIO, "seed": args.seed, "quick": args.quick, "wall_s": wall,
+        "ray_start_s": b.ray_up_s, "load_avg_start": list(load0), "load_avg_end": list(load1),
         "samples_per_s_by_peers": {str(p): rt * scale for p, (rt, _) in sorted(by_peers.items())},
-        "failed_runs": [f"{r.case}/r{r.round + 1}" for r in runs if r.error],
+        "failed_runs": [f"{r.case}/r{r.round + 1}" for r in b.runs if r.error],
     }
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}))
+
+
+def main() -> None:
+    b = Bench(parse_args(), time.monotonic())
+    for name in ("orchestrator", "workers", "dht", "averaging", "p2p"):
+        logging.getLogger(name).addHandler(b.collect)
+        logging.getLogger(name).propagate = False
+    load0 = os.getloadavg()
+    import ray
+
+    b.base = Path(b.args.keep_runs) if b.args.keep_runs else Path(tempfile.mkdtemp(prefix="bench-preemption-"))
+    b.base.mkdir(parents=True, exist_ok=True)
+    try:
+        start_ray(b)
+        calibrate(b)
+        run_cases(b)
+    finally:
+        ray.shutdown()
+        if not b.args.keep_runs:
+            shutil.rmtree(b.base, ignore_errors=True)
+    s = summarize(b)
+    print_setup(b, s)
+    print_runs(b, s)
+    print_cases(b, s)
+    print_checks(s)
+    by_peers = _rate_by_peers(s.ok, b.args.target_batch_size)
+    wall = time.monotonic() - b.wall0
+    load1 = os.getloadavg()
+    print_notes(b, by_peers, load0, load1, wall)
+    print_json(figures_of(b, s, by_peers, load0, load1, wall))
 
 
 if __name__ == "__main__":

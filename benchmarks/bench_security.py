@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,6 +34,17 @@ sys.path.insert(0, HERE)
 
 import psutil  # noqa: E402
 import uvloop  # noqa: E402
+from _common import (  # noqa: E402
+    Child,
+    ChildFailed,
+    PeakSampler,
+    emit,
+    guarded,
+    print_json,
+    print_table,
+    run_for_json,
+    stop_all,
+)
 
 from p2p import P2P, Identity  # noqa: E402
 from p2p.membership import Authority, Membership  # noqa: E402
@@ -69,7 +77,7 @@ async def _serve(authority_path: str, with_dht: bool) -> None:
             n.register("empty", _empty)
         nodes += [open_node, member_node]
         addrs = [str(open_node.address), str(member_node.address)]
-    print(json.dumps({"addrs": addrs, "pid": os.getpid()}), flush=True)
+    emit({"addrs": addrs, "pid": os.getpid()})
     stop = asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)  # the parent closes stdin: done
     await stop.wait()
@@ -81,33 +89,15 @@ async def _empty(request, ctx):
     return None
 
 
-class Server:
-    """A ``--serve`` child with a deadline on everything it is asked."""
-
-    def __init__(self, authority_path: str, with_dht: bool = False) -> None:
-        argv = [sys.executable, os.path.abspath(__file__), "--serve", authority_path] + (["--dht"] if with_dht else [])
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self.info = self._first_line(60.0)
-
-    def _first_line(self, timeout: float) -> dict:
-        out: list[str] = []
-        reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not out or not out[0]:
-            self.close()
-            raise TimeoutError(f"the serving child did not start within {timeout:.0f} s")
-        return json.loads(out[0])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=15)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+def start_server(authority_path: str, with_dht: bool = False) -> tuple[Child, dict]:
+    """A ``--serve`` child (it stops when its stdin closes) and what it said it serves."""
+    argv = [sys.executable, os.path.abspath(__file__), "--serve", authority_path] + (["--dht"] if with_dht else [])
+    server = Child("the serving child", argv, quit_line=None)
+    try:
+        return server, server.recv("addrs", time.monotonic() + 60)
+    except ChildFailed:
+        server.kill()
+        raise
 
 
 # ---- RTT ---------------------------------------------------------------------------------------------
@@ -135,12 +125,12 @@ async def _rtt(addrs: list[str], authority: Authority, calls: int, batches: int)
 
 
 def measure_rtt(authority_path: str, authority: Authority, quick: bool) -> dict:
-    server = Server(authority_path)
+    server, info = start_server(authority_path)
     try:
-        return uvloop.run(asyncio.wait_for(_rtt(server.info["addrs"], authority, 500 if quick else 2000,
+        return uvloop.run(asyncio.wait_for(_rtt(info["addrs"], authority, 500 if quick else 2000,
                                                 6 if quick else 10), CHILD_LIMIT_S))
     finally:
-        server.close()
+        stop_all([server], grace=15)
 
 
 # ---- DHT get -----------------------------------------------------------------------------------------
@@ -188,7 +178,7 @@ def measure_dht(authority: Authority, quick: bool) -> dict:
 
 # ---- all-reduce --------------------------------------------------------------------------------------
 def measure_allreduce(authority_path: str, quick: bool) -> dict:
-    from bench_allreduce import PeerFailed, PeerSet
+    from bench_allreduce import PeerSet
 
     size = 10_000_000  # the hot path's size: smaller rounds are too short to compare on a noisy machine
     rounds, reps = (2, 3) if quick else (3, 5)
@@ -204,7 +194,7 @@ def measure_allreduce(authority_path: str, quick: bool) -> dict:
                 run = peers.run(range(4), rounds, prefix=f"{mode}{rep}")
                 errors += [f"{mode}: {e}" for e in run.errors]
                 times[mode] += [r["round"] for r in run.rounds if r["ok"]]
-    except PeerFailed as e:
+    except ChildFailed as e:
         errors.append(str(e))
     finally:
         for peers in sets.values():
@@ -217,27 +207,6 @@ def measure_allreduce(authority_path: str, quick: bool) -> dict:
 
 
 # ---- hostile connections -----------------------------------------------------------------------------
-class RssSampler:
-    def __init__(self, pid: int, period: float = 0.02) -> None:
-        self.proc = psutil.Process(pid)
-        self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            try:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-            except psutil.Error:
-                return
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
 async def _still_serves(addr: str, authority: Authority) -> bool:
     from dht import DHTNode
 
@@ -253,39 +222,30 @@ async def _still_serves(addr: str, authority: Authority) -> bool:
 
 
 def measure_hostile(authority_path: str, authority: Authority, count: int) -> dict:
-    server = Server(authority_path, with_dht=True)
+    server, info = start_server(authority_path, with_dht=True)
     out: dict = {"hostile_connections": count}
     try:
-        addr = server.info["addrs"][0]
+        addr = info["addrs"][0]
         uvloop.run(asyncio.wait_for(_still_serves(addr, authority), 60))  # warm: imports, first connection
-        before = psutil.Process(server.info["pid"]).memory_info().rss
-        sampler = RssSampler(server.info["pid"])
+        node = psutil.Process(info["pid"])
+        before = node.memory_info().rss
+        sampler = PeakSampler(lambda: node.memory_info().rss, period=0.02)
         hostport = addr.split("@")[-1]
         argv = [sys.executable, HOSTILE, "--address", hostport, "--count", str(count),
                 "--concurrency", "1000", "--mode", "mixed"]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_LIMIT_S)
-            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-            out["attacker"] = json.loads(lines[-1]) if lines else {"stderr": done.stderr[-500:]}
-        except subprocess.TimeoutExpired:
-            out["attacker"] = {"error": f"the attacker ran past {CHILD_LIMIT_S:.0f} s and was stopped"}
+            out["attacker"] = run_for_json("the attacker", argv, CHILD_LIMIT_S)
+        except ChildFailed as e:
+            out["attacker"] = {"error": str(e)[-500:]}
         peak = sampler.stop()
         out["hostile_mem_growth_mb"] = (peak - before) / 2**20
         out["served_after_attack"] = uvloop.run(asyncio.wait_for(_still_serves(addr, authority), 60))
     finally:
-        server.close()
+        stop_all([server], grace=15)
     return out
 
 
 # ---- main --------------------------------------------------------------------------------------------
-def _guarded(name: str, fn, *args) -> dict:
-    """One part's figures; a part that fails or runs past its limit is reported, the rest still run."""
-    try:
-        return fn(*args)
-    except (Exception, asyncio.TimeoutError) as e:
-        return {f"{name}_error": f"{type(e).__name__}: {e}"}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
@@ -300,16 +260,16 @@ def main() -> None:
         authority_path = os.path.join(tmp, "authority.key")
         authority = Authority.from_file(authority_path, RUN)
         figures: dict = {"quick": args.quick}
-        figures.update(_guarded("rtt", measure_rtt, authority_path, authority, args.quick))
-        figures.update(_guarded("dht", measure_dht, authority, args.quick))
-        figures.update(_guarded("allreduce", measure_allreduce, authority_path, args.quick))
+        figures.update(guarded("rtt", measure_rtt, authority_path, authority, args.quick))
+        figures.update(guarded("dht", measure_dht, authority, args.quick))
+        figures.update(guarded("allreduce", measure_allreduce, authority_path, args.quick))
         count = args.hostile or (2000 if args.quick else 10_000)
-        figures.update(_guarded("hostile", measure_hostile, authority_path, authority, count))
-    print_table(figures)
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}))
+        figures.update(guarded("hostile", measure_hostile, authority_path, authority, count))
+    print_figures(figures)
+    print_json(figures)
 
 
-def print_table(f: dict) -> None:
+def print_figures(f: dict) -> None:
     def fmt(key: str, digits: int = 3) -> str:
         v = f.get(key)
         return f"{v:.{digits}f}" if isinstance(v, (int, float)) else "-"
@@ -326,9 +286,7 @@ def print_table(f: dict) -> None:
          "<= 64"),
         ("node serves a member afterwards", str(f.get("served_after_attack", "-")), "True"),
     ]
-    print(f"{'figure':<52}{'value':>22}   target")
-    for name, value, target in rows:
-        print(f"{name:<52}{value:>22}   {target}")
+    print_table(["<52", ">22"], ["figure", "value", "target"], rows)
     for key, value in f.items():
         if key.endswith("_error") or (key == "allreduce_errors" and value):
             print(f"{key}: {value}")

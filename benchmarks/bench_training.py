@@ -43,135 +43,73 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from _procs import close_pipes, descendants
+from _common import (
+    BENCH_PY,
+    HERE,
+    HIVEMIND_MISSING,
+    ONE_THREAD_ENV,
+    Child,
+    ChildFailed,
+    exit_on_sigterm,
+    fmt,
+    kill_all,
+    median,
+    print_json,
+    print_table,
+    process_tree,
+    rounded,
+    stop_all,
+)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-BENCH_PY = os.path.join(ROOT, ".bench-venv", "bin", "python")
 HIVEMIND_PEER = os.path.join(HERE, "_training_hivemind_peer.py")
-PEER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TARGET_BATCH = 128
 TASK = "synthetic"
 QUICK_TOTAL_S = 48.0  # the runs' budgets in --quick (start-up, training, leaving; not the final kills)
-_LIVE: list[Peer] = []  # every child still to be killed, whatever happens
-
-
-class RunFailed(RuntimeError):
-    pass
 
 
 # ---- child processes ---------------------------------------------------------------------------
-class Peer:
-    """One peer process in its own session; its first stdout line gives its address."""
+class Peer(Child):
+    """One peer process: its first stdout line gives its address; SIGTERM makes it leave."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: str, stdin: bool) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=PEER_ENV,
-                                     cwd=ROOT, start_new_session=True)
-        _LIVE.append(self)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
+        super().__init__(name, argv, env=ONE_THREAD_ENV, stdin=stdin, log_path=log_path)
+        self._sockets: set[str] = set()
 
     def address(self, deadline: float) -> str:
-        """From ``worker <id> listening at <address>``; RunFailed on timeout or exit."""
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise RunFailed(f"{self.name}: no address in time{self.tail()}") from None
-            if line is None:
-                raise RunFailed(f"{self.name}: exited (rc={self.proc.poll()}) before printing its address{self.tail()}")
-            if " listening at " in line:
-                return line.rsplit(" listening at ", 1)[1].strip()
+        """From ``worker <id> listening at <address>``; ChildFailed on timeout or exit."""
+        while " listening at " not in (line := self.line(deadline, "address")):
+            pass
+        return line.rsplit(" listening at ", 1)[1].strip()
 
-    def send(self, line: str) -> None:
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError) as e:
-            raise RunFailed(f"{self.name}: cannot write to it ({e}){self.tail()}") from None
-
-    def tail(self, n: int = 12) -> str:
-        try:
-            with open(self.log_path) as f:
-                lines = f.read().splitlines()[-n:]
-        except OSError:
-            lines = []
-        return ("\n    " + "\n    ".join(lines)) if lines else ""
-
-    def terminate(self) -> None:
+    def ask_to_stop(self) -> None:
         """SIGTERM to the peer itself: it leaves gracefully and stops its own helpers."""
-        self._tree = _tree(self.proc.pid)
-        self._sockets = _hivemind_sockets(self._tree)
-        if self.proc.poll() is None:
+        self.remember_tree()
+        self._sockets = _hivemind_sockets(self.known)
+        if self.running:
             try:
                 os.kill(self.proc.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def finish(self, deadline: float) -> None:
-        """Wait for the peer until ``deadline``, then SIGKILL whatever is left of its process tree."""
-        if not hasattr(self, "_tree"):
-            self._tree, self._sockets = _tree(self.proc.pid), set()
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                pass
-        tree = {**self._tree, **_tree(self.proc.pid)}
-        sockets = self._sockets | _hivemind_sockets(tree)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: hivemind's daemons die with it
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid, started in tree.items():  # anything that left the group, if it is still the same process
-            if pid != self.proc.pid and _start_time(pid) == started:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    def kill(self) -> None:
+        if self.killed:
+            return
+        sockets = self._sockets | _hivemind_sockets({**self.known, **process_tree(self.proc.pid)})
+        super().kill()
         for path in sockets:  # hivemind leaves its daemons' unix sockets behind when it is killed
             try:
                 os.remove(path)
             except OSError:
                 pass
-        close_pipes(self.proc)
-        self._log.close()
-        if self in _LIVE:
-            _LIVE.remove(self)
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _hivemind_sockets(tree: dict[int, int | None]) -> set[str]:
@@ -195,25 +133,6 @@ def _hivemind_sockets(tree: dict[int, int | None]) -> set[str]:
     except OSError:
         pass
     return paths
-
-
-def _tree(pid: int) -> dict[int, int | None]:
-    """The process and its descendants, each with its start time (to recognise it later)."""
-    return {p: _start_time(p) for p in [pid, *descendants(pid)]}
-
-
-def stop_all(peers: Sequence[Peer], grace: float) -> None:
-    """SIGTERM every running peer at once, give them ``grace`` seconds together, then kill the rest."""
-    running = [p for p in peers if p.proc.poll() is None]
-    for p in peers:
-        p.terminate()
-    deadline = time.monotonic() + (grace if running else 0.0)
-    for p in peers:
-        p.finish(deadline)
-
-
-def kill_all() -> None:
-    stop_all(list(_LIVE), grace=0.0)
 
 
 # ---- one swarm run -----------------------------------------------------------------------------
@@ -241,7 +160,7 @@ class RunResult:
 
     @property
     def median_s(self) -> float | None:
-        return statistics.median(self.intervals) if self.intervals else None
+        return median(self.intervals)
 
     @property
     def mean_s(self) -> float | None:
@@ -332,7 +251,7 @@ def run_swarm(impl: str, n: int, warmup: int, measure: int, budget_s: float, tmp
                 break
             dead = [p for p in peers if p.proc.poll() not in (None, 0)]
             if dead:
-                raise RunFailed(f"{dead[0].name} exited with rc={dead[0].proc.poll()}{dead[0].tail()}")
+                raise ChildFailed(f"{dead[0].name} exited with rc={dead[0].proc.poll()}{dead[0].tail()}")
             if progress and time.monotonic() - last_note > 10:
                 last_note = time.monotonic()
                 done = min((max(d, default=0) for d in by_peer), default=0)
@@ -342,7 +261,7 @@ def run_swarm(impl: str, n: int, warmup: int, measure: int, budget_s: float, tmp
         bad = [p for p in peers if p.proc.poll() not in (None, 0)]
         if bad and res.error is None:
             res.error = f"{bad[0].name} exited with rc={bad[0].proc.poll()}{bad[0].tail()}"
-    except RunFailed as e:
+    except ChildFailed as e:
         res.error = str(e)
     finally:
         stop_all(peers, grace=2.0 if impl == "ours" else 8.0)
@@ -433,28 +352,25 @@ def analyse(res: RunResult) -> None:
     res.synced_intervals = [times[e] - times[e - 1] for e in window[1:]
                             if synced(e) and synced(e - 1) and e in times and e - 1 in times]
     rates = [sum(d[e]["samples_per_second"] for d in by_peer if e in d) for e in window[1:]]
-    res.processed_per_s = statistics.median(rates) if rates else None
+    res.processed_per_s = median(rates)
     losses = [d[last]["loss"] for d in by_peer if last in d]
     res.final_loss = statistics.fmean(losses) if losses else None
 
 
 # ---- output ------------------------------------------------------------------------------------
-def _f(x: float | None, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def print_table(title: str, runs: Sequence[RunResult]) -> None:
+def print_runs(title: str, runs: Sequence[RunResult]) -> None:
     print(title)
-    print(f"{'impl':<9}{'peers':>6}{'window':>11}{'epoch s p50':>13}{'epoch s mean':>14}{'samples/s':>11}"
-          f"{'processed/s':>13}{'full groups':>13}{'params equal':>14}{'synced p50':>12}{'loss':>9}"
-          f"{'start s':>9}{'wall s':>8}")
+    rows = []
     for r in runs:
         window = f"{r.window[0]}..{r.window[1]}" if r.window else "-"
         groups = f"{r.full_groups}/{len(r.intervals)}" if r.window else "-"
-        synced = statistics.median(r.synced_intervals) if r.synced_intervals else None
-        print(f"{r.impl:<9}{r.n:>6}{window:>11}{_f(r.median_s):>13}{_f(r.mean_s):>14}{_f(r.samples_per_s, '.1f'):>11}"
-              f"{_f(r.processed_per_s, '.1f'):>13}{groups:>13}{('yes' if r.digests_ok else 'NO'):>14}"
-              f"{_f(synced):>12}{_f(r.final_loss, '.4f'):>9}{_f(r.start_s, '.1f'):>9}{r.wall_s:>8.1f}")
+        rows.append((r.impl, r.n, window, fmt(r.median_s), fmt(r.mean_s), fmt(r.samples_per_s, ".1f"),
+                     fmt(r.processed_per_s, ".1f"), groups, "yes" if r.digests_ok else "NO",
+                     fmt(median(r.synced_intervals)), fmt(r.final_loss, ".4f"), fmt(r.start_s, ".1f"),
+                     f"{r.wall_s:.1f}"))
+    print_table(["<9", ">6", ">11", ">13", ">14", ">11", ">13", ">13", ">14", ">12", ">9", ">9", ">8"],
+                ["impl", "peers", "window", "epoch s p50", "epoch s mean", "samples/s", "processed/s", "full groups",
+                 "params equal", "synced p50", "loss", "start s", "wall s"], rows)
     for r in runs:
         tag = f"  {r.impl} x{r.n}:"
         if r.error:
@@ -471,11 +387,14 @@ def print_table(title: str, runs: Sequence[RunResult]) -> None:
           " over intervals whose both ends are full groups with equal params)")
 
 
-def _r(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(x, nd)
+@dataclass
+class Runs:
+    ours: dict[int, RunResult] = field(default_factory=dict)
+    hm: RunResult | None = None
+    hivemind_note: str | None = None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer epochs, under 60 s (without --vs-hivemind)")
     parser.add_argument("--vs-hivemind", action="store_true", help="also run hivemind.Optimizer from .bench-venv")
@@ -486,8 +405,11 @@ def main() -> None:
     parser.add_argument("--hivemind-averaging-timeout", type=float, default=30.0,
                         help="hivemind.Optimizer averaging_timeout (ours: the worker's averaging_timeout, 30.0)")
     parser.add_argument("--keep-dir", metavar="DIR", help="write the peers' reports and logs here (kept)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def run_all(args: argparse.Namespace, hm_opts: dict, t_all: float) -> Runs:
+    """Ours at 4, 2 and 1 peers, then hivemind at 4; every child is killed at the end, whatever happens."""
     # (warm-up epochs, measured epochs, budget in seconds) per run
     if args.quick:
         plan = {4: (5, 100, 20.0), 2: (5, 300, 15.0), 1: (5, 800, 10.0)}
@@ -495,17 +417,7 @@ def main() -> None:
     else:
         plan = {4: (10, 1000, 300.0), 2: (10, 2000, 150.0), 1: (10, 5000, 90.0)}
         hm_plan = (5, 30, 420.0)
-    hm_opts = {"matchmaking_time": args.hivemind_matchmaking_time,
-               "averaging_timeout": args.hivemind_averaging_timeout}
-
-    def on_term(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
-    t_all = time.monotonic()
-    ours: dict[int, RunResult] = {}
-    hm: RunResult | None = None
-    hivemind_note = None
+    runs = Runs()
     if args.keep_dir:
         os.makedirs(args.keep_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_training-") as tmpdir:
@@ -517,62 +429,77 @@ def main() -> None:
                     left = t_all + QUICK_TOTAL_S - time.monotonic()
                     later = sum(plan[m][2] for m in (2, 1) if m < n)
                     budget = max(left if n == 1 else min(budget, left - later), 5.0)
-                ours[n] = run_swarm("ours", n, warmup, measure, budget, tmp)
-            if args.vs_hivemind:
-                if not os.access(BENCH_PY, os.X_OK):
-                    hivemind_note = f"hivemind skipped: {BENCH_PY} is missing (run `make bench-env`)"
-                else:
-                    warmup, measure, budget = hm_plan
-                    hm = run_swarm("hivemind", 4, warmup, measure, budget, tmp, hm_opts)
+                runs.ours[n] = run_swarm("ours", n, warmup, measure, budget, tmp)
+            if args.vs_hivemind and not os.access(BENCH_PY, os.X_OK):
+                runs.hivemind_note = HIVEMIND_MISSING
+            elif args.vs_hivemind:
+                runs.hm = run_swarm("hivemind", 4, *hm_plan, tmp, hm_opts)
         finally:
             kill_all()
+    return runs
 
+
+def print_report(args: argparse.Namespace, runs: Runs, hm_opts: dict, wall: float) -> None:
+    ours, hm = runs.ours, runs.hm
     print(f"task {TASK}, target batch {TARGET_BATCH}, 32 samples per local step, one torch thread per peer;"
           f" epoch time = seconds between consecutive epochs (median of the peers' report times), warm-up skipped")
-    print_table("scaling (ours; each row a separate run of worker processes)", [ours[n] for n in (1, 2, 4)])
+    print_runs("scaling (ours; each row a separate run of worker processes)", [ours[n] for n in (1, 2, 4)])
     if args.vs_hivemind:
         print()
         if hm is not None:
-            print_table(f"4 peers, ours vs hivemind.Optimizer (matchmaking_time={hm_opts['matchmaking_time']},"
-                        f" averaging_timeout={hm_opts['averaging_timeout']})", [ours[4], hm])
+            print_runs(f"4 peers, ours vs hivemind.Optimizer (matchmaking_time={hm_opts['matchmaking_time']},"
+                       f" averaging_timeout={hm_opts['averaging_timeout']})", [ours[4], hm])
             if ours[4].median_s and hm.median_s:
                 print(f"  hivemind / ours (median epoch s): {hm.median_s / ours[4].median_s:.2f}x")
             print("  (hivemind: 'peers' is its tracker's num_peers; its all-reduce adds (average - local) to each"
                   " peer's own copy, so bit-equal params are not expected)")
         else:
-            print(hivemind_note)
+            print(runs.hivemind_note)
     print()
     r4 = ours[4]
-    print(f"{'figure':<36}{'value':>10}   target")
-    print(f"{'epoch s, 4 peers (median)':<36}{_f(r4.median_s):>10}   <= 1.5 (hivemind reference ~7.5)")
-    print(f"{'params identical across 4 peers':<36}{('yes' if r4.digests_ok else 'NO'):>10}   yes")
-    for n in (1, 2, 4):
-        print(f"{f'samples/s, {n} peer(s)':<36}{_f(ours[n].samples_per_s, '.1f'):>10}")
-    wall = time.monotonic() - t_all
-    print(f"{'wall s':<36}{wall:>10.1f}")
+    print_table(["<36", ">10"], ["figure", "value", "target"], [
+        ("epoch s, 4 peers (median)", fmt(r4.median_s), "<= 1.5 (hivemind reference ~7.5)"),
+        ("params identical across 4 peers", "yes" if r4.digests_ok else "NO", "yes"),
+        *((f"samples/s, {n} peer(s)", fmt(ours[n].samples_per_s, ".1f")) for n in (1, 2, 4)),
+        ("wall s", f"{wall:.1f}")])
 
+
+def figures_of(args: argparse.Namespace, runs: Runs, wall: float) -> dict:
+    ours, hm, r4 = runs.ours, runs.hm, runs.ours[4]
     figures: dict = {
-        "epoch_s_4peers": _r(r4.median_s), "epoch_s_4peers_mean": _r(r4.mean_s),
+        "epoch_s_4peers": r4.median_s, "epoch_s_4peers_mean": r4.mean_s,
         "params_identical_4peers": r4.digests_ok,
-        "samples_s_1peer": _r(ours[1].samples_per_s, 1), "samples_s_2peers": _r(ours[2].samples_per_s, 1),
-        "samples_s_4peers": _r(ours[4].samples_per_s, 1),
+        "samples_s_1peer": rounded(ours[1].samples_per_s, 1), "samples_s_2peers": rounded(ours[2].samples_per_s, 1),
+        "samples_s_4peers": rounded(ours[4].samples_per_s, 1),
         "params_identical_2peers": ours[2].digests_ok,
         "epochs_measured_4peers": len(r4.intervals),
         "full_groups_4peers": f"{r4.full_groups}/{len(r4.intervals)}",
-        "epoch_s_4peers_synced": _r(statistics.median(r4.synced_intervals)) if r4.synced_intervals else None,
+        "epoch_s_4peers_synced": median(r4.synced_intervals),
     }
     if args.vs_hivemind:
-        figures["hivemind_epoch_s_4peers"] = _r(hm.median_s) if hm is not None else None
-        figures["hivemind_epoch_s_4peers_mean"] = _r(hm.mean_s) if hm is not None else None
+        figures["hivemind_epoch_s_4peers"] = hm.median_s if hm is not None else None
+        figures["hivemind_epoch_s_4peers_mean"] = hm.mean_s if hm is not None else None
         figures["hivemind_epochs_measured"] = len(hm.intervals) if hm is not None else 0
-        if hivemind_note:
-            figures["hivemind_note"] = hivemind_note
+        if runs.hivemind_note:
+            figures["hivemind_note"] = runs.hivemind_note
     errors = {f"{r.impl}_{r.n}": r.error.splitlines()[0] for r in [*ours.values(), *([hm] if hm else [])]
               if r.error}
     if errors:
         figures["errors"] = errors
-    figures.update(quick=args.quick, wall_s=round(wall, 1))
-    print(json.dumps(figures))
+    figures.update(quick=args.quick, wall_s=rounded(wall, 1))
+    return figures
+
+
+def main() -> None:
+    args = parse_args()
+    hm_opts = {"matchmaking_time": args.hivemind_matchmaking_time,
+               "averaging_timeout": args.hivemind_averaging_timeout}
+    exit_on_sigterm()
+    t_all = time.monotonic()
+    runs = run_all(args, hm_opts, t_all)
+    wall = time.monotonic() - t_all
+    print_report(args, runs, hm_opts, wall)
+    print_json(figures_of(args, runs, wall), digits=3)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,18 @@ def random_rank_within_groups(groups: np.ndarray, rng: np.random.Generator) -> n
     return ranks
 
 
+def mse_curve(x0: np.ndarray, alive: np.ndarray,
+              step: Callable[[int, np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """MSE against the true mean after rounds 0..R, where round t's estimates are ``step(t, x, live)``."""
+    target = float(x0.mean())
+    x = x0.copy()
+    out = [mse(x, target)]
+    for t, live in enumerate(alive):
+        x = step(t, x, live)
+        out.append(mse(x, target))
+    return np.asarray(out)
+
+
 def simulate_moshpit(
     x0: np.ndarray,
     alive: np.ndarray,
@@ -115,55 +127,43 @@ def simulate_moshpit(
     n = x0.size
     if grid_size**grid_dim != n:
         raise ValueError(f"grid {grid_size}^{grid_dim} does not hold {n} peers")
-    target = float(x0.mean())
     cells = rng.permutation(n)
     keys = np.stack(np.unravel_index(cells, (grid_size,) * grid_dim), axis=1).astype(np.int64)
-    x = x0.copy()
-    out = [mse(x, target)]
-    for t, live in enumerate(alive):
+
+    def step(t: int, x: np.ndarray, live: np.ndarray) -> np.ndarray:
         j = t % grid_dim
         others = np.delete(keys, j, axis=1)
         _, groups = np.unique(others, axis=0, return_inverse=True)
         groups = groups.reshape(-1)
         x = average_live_groups(x, groups, live)
         keys[live, j] = random_rank_within_groups(groups[live], rng)
-        out.append(mse(x, target))
-    return np.asarray(out)
+        return x
+
+    return mse_curve(x0, alive, step)
 
 
 def simulate_allreduce_restarts(x0: np.ndarray, alive: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Global all-reduce that only succeeds in a round where no peer fails."""
-    target = float(x0.mean())
-    x = x0.copy()
-    out = [mse(x, target)]
-    for live in alive:
-        if live.all():
-            x = np.full_like(x, x.mean())
-        out.append(mse(x, target))
-    return np.asarray(out)
+    return mse_curve(x0, alive, lambda _t, x, live: np.full_like(x, x.mean()) if live.all() else x)
 
 
 def simulate_gossip(x0: np.ndarray, alive: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Ring gossip with symmetric 1/3 weights on edges whose two ends are live."""
-    target = float(x0.mean())
-    x = x0.copy()
-    out = [mse(x, target)]
-    for live in alive:
+    def step(_t: int, x: np.ndarray, live: np.ndarray) -> np.ndarray:
         right_edge = live & np.roll(live, -1)  # edge (i, i+1) usable
         flow = np.where(right_edge, (np.roll(x, -1) - x) / 3.0, 0.0)  # what i gains over edge (i, i+1)
-        x = x + flow - np.roll(flow, 1)
-        out.append(mse(x, target))
-    return np.asarray(out)
+        return x + flow - np.roll(flow, 1)
+
+    return mse_curve(x0, alive, step)
 
 
 def simulate_pushsum(x0: np.ndarray, alive: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """PushSum: each live peer keeps half of (s, w) and pushes half to a random other live peer."""
     n = x0.size
-    target = float(x0.mean())
     s = x0.copy()
     w = np.ones(n)
-    out = [mse(s / w, target)]
-    for live in alive:
+
+    def step(_t: int, _x: np.ndarray, live: np.ndarray) -> np.ndarray:
         senders = np.flatnonzero(live)
         if senders.size >= 2:
             pick = rng.integers(0, senders.size - 1, size=senders.size)
@@ -173,10 +173,11 @@ def simulate_pushsum(x0: np.ndarray, alive: np.ndarray, rng: np.random.Generator
             w_half = w[senders] / 2.0
             s[senders] = s_half
             w[senders] = w_half
-            s += np.bincount(receivers, weights=s_half, minlength=n)
-            w += np.bincount(receivers, weights=w_half, minlength=n)
-        out.append(mse(s / w, target))
-    return np.asarray(out)
+            s[:] += np.bincount(receivers, weights=s_half, minlength=n)
+            w[:] += np.bincount(receivers, weights=w_half, minlength=n)
+        return s / w
+
+    return mse_curve(x0, alive, step)
 
 
 def simulate_random_groups(
@@ -184,15 +185,13 @@ def simulate_random_groups(
 ) -> np.ndarray:
     """Each round: shuffle all peers into groups of ``group_size``; live members of a group average."""
     n = x0.size
-    target = float(x0.mean())
-    x = x0.copy()
-    out = [mse(x, target)]
-    for live in alive:
+
+    def step(_t: int, x: np.ndarray, live: np.ndarray) -> np.ndarray:
         groups = np.empty(n, dtype=np.int64)
         groups[rng.permutation(n)] = np.arange(n) // group_size
-        x = average_live_groups(x, groups, live)
-        out.append(mse(x, target))
-    return np.asarray(out)
+        return average_live_groups(x, groups, live)
+
+    return mse_curve(x0, alive, step)
 
 
 ALGORITHMS: dict[str, Simulator] = {
