@@ -5,7 +5,11 @@ accumulated by all peers at the current epoch reach ``target_batch_size``, they 
 keyed by the epoch), all-reduce their mean gradients weighted by samples, and every peer applies
 the same optimizer step to the same parameters — so parameters stay bit-identical — and the epoch
 advances.  A peer that finds itself behind the global epoch downloads the state from peers instead
-of stepping; a peer that could not average with the others does not step alone either.
+of stepping; a peer that could not average with the others does not step alone either.  Only a
+peer that got every part of the average back, without standing still mid-round, steps: a reducer
+that vanished mid-round leaves its part local to each of the others (two peers stepping on those
+would share an epoch with different parameters), and one back from a pause may be the only member
+that got everything back.  The peers that did not step load the state of those that did.
 
 The optimizer lives on the training thread; everything networked runs on the DHT's event loop.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ import torch
 
 from averaging import Codec, DecentralizedAverager, StepResult
 from dht import DHT, DHTNode, SignatureValidator
+from p2p import P2PError
 
 from .progress import GlobalProgress, PeerProgress, ProgressTracker
 from .state import StateSharer, StateUnavailable
@@ -45,6 +51,19 @@ class EpochReport:
     samples: int
     loss: float | None
     averaging_time: float
+
+
+@dataclass
+class _Beats:
+    """When a periodic task last ran, and the longest wait between two of its runs."""
+
+    last: float
+    longest_gap: float = 0.0
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        self.longest_gap = max(self.longest_gap, now - self.last)
+        self.last = now
 
 
 class CollaborativeOptimizer:
@@ -73,6 +92,10 @@ class CollaborativeOptimizer:
         self.advert_expiration = 60.0
         self._leaving = False
         self._alone_not_before = 0.0  # monotonic time before which we never step alone (see _rejoin)
+        self._next_reconnect = 0.0  # monotonic time before which we do not try _reconnect_if_isolated again
+        # held while parameters, optimizer state and epoch change together, and while a donor snapshots
+        # them (on another thread): a state served mid-step would label one epoch's parameters with another
+        self._state_lock = threading.Lock()
         signer = signature_validator(dht)
         grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
 
@@ -81,7 +104,7 @@ class CollaborativeOptimizer:
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
                                              allreduce_timeout=averaging_timeout, compression=compression)
             tracker = ProgressTracker(node, run, target_batch_size, signer)
-            sharer = StateSharer(node, run, signer, self._state_snapshot)
+            sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock)
             return averager, tracker, sharer
 
         self.averager, self.tracker, self.state = dht.run_coroutine(build)
@@ -100,7 +123,11 @@ class CollaborativeOptimizer:
         self._accumulate(batch_size, loss)
         self._report()
         self.keep_alive()
+        self._reconnect_if_isolated()
         progress: GlobalProgress = self._call(lambda n: self.tracker.global_progress())
+        # standing still during the calls above (their requests timed out meanwhile) leaves a view
+        # as stale as one from before a pause: the others would look dead
+        away = away or self._was_away()
         if progress.epoch > self.epoch:
             self._catch_up(progress.epoch)
             return False
@@ -115,8 +142,8 @@ class CollaborativeOptimizer:
 
     def _was_away(self) -> bool:
         """Whether this process stood still (paused, swapped out) longer than a record stays fresh since
-        its last step began.  A step that waited that long for a group counts too: a cautious rejoin
-        costs it one epoch's local gradients, never a divergence."""
+        its last step began, before this step or within it.  A step that waited that long for a group
+        counts too: a cautious rejoin costs it one epoch's local gradients, never a divergence."""
         return self._last_step_time is not None and time.monotonic() - self._last_step_time > self.tracker.fresh_for
 
     def _rejoin(self) -> None:
@@ -128,6 +155,31 @@ class CollaborativeOptimizer:
         if not self._load_state_if_any(min_epoch=self.epoch + 1):
             self._reset_accumulators()  # gradients of an epoch the others may have finished without us
         self._report(force=True)
+
+    def _reconnect_if_isolated(self) -> None:
+        """A DHT node drops a contact whose call timed out.  A process that stood still longer than a
+        call's timeout comes back to find every call it had in flight timed out at once, and its DHT
+        knowing nobody, while the others dropped it for not answering: nobody would call anybody again,
+        our view of the others would never refresh, and we would step alone at their epoch numbers with
+        other parameters.  Meet again the peers whose state adverts we still hold."""
+        now = time.monotonic()
+        if len(self.dht.node.routing) > 0 or now < self._next_reconnect:
+            return
+        self._next_reconnect = now + self.tracker.fresh_for  # dead donors cost a connect timeout each
+
+        async def reconnect(node: DHTNode) -> int:
+            addresses = [address for _, address in await self.state.donors()]
+            if addresses:
+                try:
+                    await node.bootstrap(addresses)
+                except P2PError as e:
+                    logger.info("epoch %d: could not reach the peers we knew: %s", self.epoch, e)
+            return len(node.routing)
+
+        if self._call(reconnect):
+            logger.info("epoch %d: our DHT had lost every contact; met the others again", self.epoch)
+            self._alone_not_before = now + self.tracker.fresh_for  # their records reach us only now
+            self._report(force=True)
 
     def _accumulate(self, batch_size: int, loss: float | None) -> None:
         for p, buf in zip(self.params, self.grad_buffers, strict=True):
@@ -151,6 +203,7 @@ class CollaborativeOptimizer:
         # Step alone only when nobody else is alive: two peers that each stepped alone on a stale view
         # of the other would share an epoch with different parameters, and never reconcile.
         alone = progress.live_peers <= 1
+        stood_still = 0.0
         if alone:
             result = StepResult(group_size=1)
         else:
@@ -159,43 +212,65 @@ class CollaborativeOptimizer:
                                "raise group_size", self.epoch, progress.live_peers, self.max_group_size)
             # wait for every live peer, including one whose record still shows the previous epoch
             # (it is about to report this one); the matchmaking time bounds the wait for a dead one
-            result = self._call(lambda n: self._average(progress.live_peers))
-        if not alone and not result.averaged:
-            logger.info("epoch %d: could not average with the other %d live peers; will load their state",
-                        self.epoch, progress.live_peers - 1)
+            result, stood_still = self._call(lambda n: self._average(progress.live_peers))
+        if not alone and (not result.complete or stood_still > self.tracker.fresh_for):
+            # A part whose reducer vanished mid-round holds our own values, not the group's: stepping on
+            # it would give us other parameters than the peers that got it back, at the same epoch.
+            # Back from standing still mid-round, we may be the only one that got every part back (the
+            # others gave up on ours): stepping, we would hold an epoch nobody shares, while they retry
+            # it without us.  Either way the peers that did step are the ones to load from.
+            why = (f" (stood still for {stood_still:.1f} s)" if result.complete else
+                   f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "")
+            logger.info("epoch %d: could not average with the other %d live peers%s; will load their state",
+                        self.epoch, progress.live_peers - 1, why)
             self._restore_accumulated()
             return False
         for p, buf in zip(self.params, self.grad_buffers, strict=True):
             p.grad = buf.to(p.dtype).view_as(p).clone() if p.dtype != torch.float32 else buf.view_as(p).clone()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.history.append(EpochReport(self.epoch, result.group_size, self.local_samples, self.last_loss,
+        with self._state_lock:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.epoch += 1
+        self.history.append(EpochReport(self.epoch - 1, result.group_size, self.local_samples, self.last_loss,
                                         time.monotonic() - started))
-        self.epoch += 1
         self._reset_accumulators()
         self._report(force=True)
         self._advertise()
         return True
 
-    async def _average(self, live_peers: int) -> StepResult:
+    async def _average(self, live_peers: int) -> tuple[StepResult, float]:
         """All-reduce this epoch's gradients; give up matchmaking as soon as the others have moved on
-        without us (we then load their state) instead of waiting out the matchmaking time alone."""
+        without us (we then load their state) instead of waiting out the matchmaking time alone.
+        Also returns the longest time this process stood still meanwhile (seen as a gap in the
+        watcher's beats: a paused process cannot see its pause otherwise)."""
         abort = asyncio.Event()
-        watcher = asyncio.create_task(self._watch_epoch(abort))
+        beats = _Beats(time.monotonic())
+        watcher = asyncio.create_task(self._watch_epoch(abort, beats))
         try:
-            return await self.averager.step(weight=float(self.local_samples), timeout=self.averaging_timeout,
-                                            group_key=f"e{self.epoch}", target_group_size=live_peers, abort=abort)
+            result = await self.averager.step(weight=float(self.local_samples), timeout=self.averaging_timeout,
+                                              group_key=f"e{self.epoch}", target_group_size=live_peers,
+                                              abort=abort)
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+        beats.beat()
+        return result, beats.longest_gap
 
-    async def _watch_epoch(self, moved_on: asyncio.Event) -> None:
+    async def _watch_epoch(self, moved_on: asyncio.Event, beats: _Beats) -> None:
+        """Set ``moved_on`` once the others are past our epoch.  Meanwhile keep our record fresh: a
+        round that waits out a silent member outlasts it, and a peer that took us for dead would
+        step alone at the epoch we are about to complete with the others."""
+        refreshed = time.monotonic()
         while True:
             await asyncio.sleep(self.report_interval * 2)
-            if (await self.tracker.global_progress()).epoch > self.epoch:
+            beats.beat()
+            if not moved_on.is_set() and (await self.tracker.global_progress()).epoch > self.epoch:
                 moved_on.set()
-                return
+            last = self.tracker.last_report
+            if last is not None and time.monotonic() - refreshed > self.tracker.fresh_for / 2:
+                refreshed = time.monotonic()
+                await self.tracker.report(last.model_copy(update={"time": time.time()}))
 
     def _restore_accumulated(self) -> None:
         if self.local_steps:
@@ -212,6 +287,7 @@ class CollaborativeOptimizer:
 
     # ---- state hand-off ------------------------------------------------------------------------
     def _state_snapshot(self) -> tuple[int, Any]:
+        """Called by the StateSharer with ``_state_lock`` held."""
         state = {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
         return self.epoch, state
@@ -222,13 +298,13 @@ class CollaborativeOptimizer:
         except StateUnavailable as e:
             logger.info("no state to load yet (%s); starting from epoch %d", e, self.epoch)
             return False
-        with torch.no_grad():
+        with self._state_lock, torch.no_grad():
             for p, value in zip(self.params, state["params"], strict=True):
                 p.copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.epoch = epoch
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            self.epoch = epoch
         self._reset_accumulators()
         self._advertise()  # a donor for the next newcomer at this epoch
         logger.info("loaded state of epoch %d from peers", epoch)

@@ -1,10 +1,11 @@
 """State hand-off: a new or lagging peer downloads the freshest training state from other peers.
 
 A donor advertises ``{epoch, bytes, address}`` under ``<run>.state`` and serves a snapshot of its
-state (taken when asked, so it keeps training meanwhile): a skeleton (the nested structure with
-tensors replaced by indices) plus the tensors, each with a SHA-256.  A downloader asks every donor
-at the freshest epoch for a share of the tensors in parallel, checks every checksum, and retries
-what failed from another donor; a dead donor costs a retry, never a hang.
+state (taken when asked, so it keeps training meanwhile, under the lock its training holds while it
+steps: never half a step, nor one epoch's parameters under another's number): a skeleton (the
+nested structure with tensors replaced by indices) plus the tensors, each with a SHA-256.  A
+downloader asks every donor at the freshest epoch for a share of the tensors in parallel, checks
+every checksum, and retries what failed from another donor; a dead donor costs a retry, never a hang.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,12 +81,14 @@ class StateSharer:
     """Serves this peer's state to others and downloads others' state."""
 
     def __init__(self, node: DHTNode, run: str, signer: SignatureValidator,
-                 get_state: Callable[[], tuple[int, Any]], rpc_timeout: float = 30.0) -> None:
+                 get_state: Callable[[], tuple[int, Any]], rpc_timeout: float = 30.0,
+                 lock: threading.Lock | None = None) -> None:
         self.node = node
         self.run = run
         self.key = f"{run}.state"
         self.subkey = f"{signer.marker}{node.peer_id}"
         self.get_state = get_state
+        self.lock = lock or threading.Lock()  # the owner's, held while it changes its state
         self.rpc_timeout = rpc_timeout
         self._snapshot: _Snapshot | None = None
         self.meta_method = f"state.meta.{run}"
@@ -108,14 +112,15 @@ class StateSharer:
         await self.node.store(self.key, None, time.time() + 3600, subkey=self.subkey)
 
     def _current(self) -> _Snapshot:
-        epoch, state = self.get_state()
-        if self._snapshot is None or self._snapshot.epoch != epoch:
-            skeleton, tensors = flatten_state(state)
-            self._snapshot = _Snapshot(epoch, skeleton, tensors, [checksum(t) for t in tensors])
-        return self._snapshot
+        with self.lock:  # the copy, not only the read: the owner changes its tensors in place
+            epoch, state = self.get_state()
+            if self._snapshot is None or self._snapshot.epoch != epoch:
+                skeleton, tensors = flatten_state(state)
+                self._snapshot = _Snapshot(epoch, skeleton, tensors, [checksum(t) for t in tensors])
+            return self._snapshot
 
     async def _rpc_meta(self, request: Any, ctx: CallContext) -> dict:
-        snap = self._current()
+        snap = await asyncio.to_thread(self._current)  # waiting for the lock must not stall the event loop
         return {"epoch": snap.epoch, "skeleton": snap.skeleton, "n": len(snap.tensors), "sums": snap.sums}
 
     async def _rpc_tensors(self, request: Any, ctx: CallContext) -> Any:
@@ -125,7 +130,7 @@ class StateSharer:
         if snap is None or snap.epoch != request.get("epoch"):
             # keep serving the snapshot a downloader's metadata came from, even if training moved
             # on meanwhile; any donor can serve tensors, not only the one asked for the metadata
-            snap = self._current()
+            snap = await asyncio.to_thread(self._current)
         if snap.epoch != request.get("epoch"):
             raise ValueError(f"this peer no longer serves epoch {request.get('epoch')}")
         for i in request["idx"]:

@@ -46,6 +46,8 @@ async def test_others_finish_within_one_timeout_with_identical_parts(swarm):
     assert len(group) == 4 and all(r.group_peers == group for r in results)
     victim = next(p for p in group if p not in [a.peer_id for a in averagers])
     assert all(victim in r.failed_peers for r in results)
+    # its part did not all come back: the survivors know that they do not hold the same values
+    assert all(r.unaveraged_parts == [group.index(victim)] and not r.complete for r in results)
     assert elapsed < 20.0 + sender_timeout + 5  # matchmaking wait + at most one sender timeout
 
     bounds, start = [], 0
