@@ -314,7 +314,7 @@ class SupervisorCore:
             if self.archiver is not None:
                 self.archiver.retry()  # what an earlier upload left owed
             return
-        directory = Path(self.config.checkpoint.directory or self.store.dir / "checkpoints")
+        directory = self._checkpoint_dir()
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"epoch-{epoch:06d}.pt"
         tmp = path.with_suffix(".tmp")
@@ -328,8 +328,26 @@ class SupervisorCore:
         if self.archiver is not None:
             self.archiver.submit(path)  # on the upload thread: the tick never waits on S3
 
-    def _load_checkpoint(self) -> None:
+    def _checkpoint_dir(self) -> Path:
+        return Path(self.config.checkpoint.directory or self.store.dir / "checkpoints")
+
+    def _newest_checkpoint(self) -> tuple[int, Path] | None:
+        """The newest checkpoint the store knows, or a newer file in the checkpoint directory: a run
+        restored from its archive may hold a checkpoint its history snapshot was saved too early to
+        list (the head died between the two uploads).  Such a file is recorded, so the store agrees."""
         latest = self.store.latest_checkpoint()
+        files = sorted(f for f in self._checkpoint_dir().glob("epoch-*.pt") if f.stem[6:].isdigit())
+        if files:
+            newest = files[-1]
+            epoch = int(newest.stem[6:])
+            if latest is None or epoch > latest[0]:
+                logger.info("checkpoint %s is newer than the run's history lists; using it", newest)
+                self.store.checkpoint(epoch, newest)
+                return epoch, newest
+        return latest
+
+    def _load_checkpoint(self) -> None:
+        latest = self._newest_checkpoint()
         if latest is None:
             return
         epoch, path = latest
