@@ -278,7 +278,9 @@ async def test_thousands_of_hostile_connections_from_another_process_cost_bounde
         hostile.stdin.flush()
         summary = json.loads(await asyncio.wait_for(loop.run_in_executor(None, hostile.stdout.readline), 20))
         assert summary["errors"] == 0
-        assert summary["refused_or_closed_by_server"] >= count // 2  # garbage and big headers: closed
+        # garbage and big headers (half of "mixed") are closed by the node; the client tells a close from
+        # its own hold ending only for those whose close reached it first, so a few may count as held
+        assert summary["refused_or_closed_by_server"] >= 0.45 * count
         assert await client.call(address, "echo", "after", timeout=20) == "after"
     finally:
         await client.shutdown()
