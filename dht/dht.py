@@ -65,6 +65,13 @@ class DHT(BlockingFace):
             return await fn(self.node)
         return self._call(runner(), return_future)
 
+    def renew_certificate(self, certificate: Any) -> None:
+        """Hand this node's renewed membership certificate to its open and future connections
+        (``P2P.renew_certificate``; ValueError if it is not a valid certificate of this peer)."""
+        async def renew() -> None:
+            self.node.p2p.renew_certificate(certificate)
+        self.run(renew())
+
     def _call(self, coro: Any, return_future: bool) -> Any:
         return self.submit(coro) if return_future else self.run(coro)
 

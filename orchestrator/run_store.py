@@ -84,7 +84,12 @@ class RunStore:
         return cls(run_dir)
 
     def config(self) -> ClusterConfig:
-        return ClusterConfig.model_validate(yaml.safe_load((self.dir / "config.yaml").read_text()))
+        return self.read_config(self.dir)
+
+    @staticmethod
+    def read_config(run_dir: Path) -> ClusterConfig:
+        """The resolved config a run directory was started with (no database needed)."""
+        return ClusterConfig.model_validate(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
 
     def close(self) -> None:
         self.db.close()

@@ -268,7 +268,7 @@ class SupervisorCore:
                 self.certifier.forget(holder)
         for holder, cert in self.certifier.renew_due():
             if holder == "supervisor":
-                self.dht.run_coroutine(lambda n, c=cert: _renew(n, c))
+                self.dht.renew_certificate(cert)
             else:
                 self.policy.workers.renew(holder, cert.to_token())
 
@@ -395,9 +395,6 @@ def _ray_node() -> dict:
 async def _make(cls: Any, *args: Any) -> Any:
     return cls(*args)
 
-
-async def _renew(node: Any, cert: Any) -> None:
-    node.p2p.renew_certificate(cert)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -16,9 +16,8 @@ from pathlib import Path
 
 def _run_dir(target: str) -> tuple[Path, str]:
     """The run directory and run name of RUN (a run directory, or the run's cluster YAML)."""
-    import yaml
-
-    from .config import ClusterConfig, load_cluster_config
+    from .config import load_cluster_config
+    from .run_store import RunStore
 
     path = Path(target)
     if path.is_file():
@@ -26,7 +25,7 @@ def _run_dir(target: str) -> tuple[Path, str]:
         return config.run_dir(), config.cluster_name
     if not (path / "config.yaml").exists():
         raise ValueError(f"{target}: no such run directory or cluster YAML")
-    return path, ClusterConfig.model_validate(yaml.safe_load((path / "config.yaml").read_text())).cluster_name
+    return path, RunStore.read_config(path).cluster_name
 
 
 def issue(args: argparse.Namespace) -> int:

@@ -64,10 +64,6 @@ class WorkerConfig(pydantic.BaseModel):
                                                   "(spotswarm token issue): with it, only members take part")
 
 
-async def _renew(node: object, cert: Certificate) -> None:
-    node.p2p.renew_certificate(cert)  # type: ignore[attr-defined]
-
-
 def params_digest(params: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for p in params:
@@ -162,7 +158,7 @@ class TrainingPeer:
         """Take a renewed certificate (before the current one expires): new and open connections
         present it from now on."""
         cert = Certificate.from_token(token)
-        self.dht.run_coroutine(lambda node: _renew(node, cert))
+        self.dht.renew_certificate(cert)
 
     def _wait_for_peers(self) -> None:
         """Start together: a lone first peer would otherwise race through epochs on its own."""
