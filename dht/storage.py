@@ -46,10 +46,6 @@ class Entry:
     subkeys: dict[bytes, tuple[bytes, float]] | None = None
 
     @property
-    def is_dict(self) -> bool:
-        return self.subkeys is not None
-
-    @property
     def latest_expiration(self) -> float:
         if self.subkeys is not None:
             return max((exp for _, exp in self.subkeys.values()), default=float("-inf"))

@@ -11,8 +11,9 @@ import ipaddress
 import logging
 import re
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
@@ -106,6 +107,26 @@ def check_s3_uri(value: str) -> str:
     return value
 
 
+def check_announce_host(value: str) -> str:
+    """A host other peers can reach: an address or hostname, never a wildcard to listen on."""
+    check_host(value)
+    try:
+        wildcard = ipaddress.ip_address(value).is_unspecified
+    except ValueError:  # a hostname
+        wildcard = False
+    if wildcard:
+        raise ValueError(f"{value!r} is a wildcard to listen on; announce an address other peers can reach")
+    return value
+
+
+# checked strings for the config models: each check runs once, wherever the type is used
+Host = Annotated[str, pydantic.AfterValidator(check_host)]
+AnnounceHost = Annotated[str, pydantic.AfterValidator(check_announce_host)]
+RayAddress = Annotated[str, pydantic.AfterValidator(check_ray_address)]
+EndpointUrl = Annotated[str, pydantic.AfterValidator(check_endpoint_url)]
+S3Uri = Annotated[str, pydantic.AfterValidator(check_s3_uri)]
+
+
 def split_zones(value: str) -> list[str]:
     """Ray's ``provider.availability_zone``, ``"us-east-1a,us-east-1b"``, as a list of zones."""
     return [zone.strip() for zone in value.split(",")]
@@ -130,7 +151,7 @@ class ProviderConfig(_Strict):
     # cloud providers
     project: str | None = None  # gcp: the project instances are launched in
     project_id: str | None = None  # gcp: Ray's key for the same (either may be given)
-    endpoint_url: str | None = None  # an EC2 / Compute endpoint other than the default (tests, private clouds)
+    endpoint_url: EndpointUrl | None = None  # an EC2 / Compute endpoint other than the default (tests, private clouds)
     image: str | None = None
 
     @pydantic.field_validator("mode")
@@ -178,11 +199,6 @@ class ProviderConfig(_Strict):
                              "give one of them")
         return zones
 
-    @pydantic.field_validator("endpoint_url")
-    @classmethod
-    def _endpoint_url(cls, value: str | None) -> str | None:
-        return None if value is None else check_endpoint_url(value)
-
     @pydantic.model_validator(mode="after")
     def _project(self) -> ProviderConfig:
         """Ray's ``project_id`` and our ``project`` name one project: either gives ``project``."""
@@ -227,6 +243,12 @@ class NodeType(_Strict):
             raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
         return self
 
+    def price(self, zone: str, market: str) -> float:
+        """Dollars per hour as the config says (a cloud's own spot price, where it has one, comes first)."""
+        if market == "on-demand":
+            return self.on_demand_price_per_hour
+        return self.spot_price_per_hour.get(zone, 0.3 * self.on_demand_price_per_hour)
+
 
 class SpotConfig(_Strict):
     market: Literal["spot", "on-demand"] = "spot"
@@ -258,20 +280,8 @@ class CheckpointConfig(_Strict):
     directory: str | None = None  # default: <run dir>/checkpoints
     every_s: float = pydantic.Field(60.0, gt=0)
     keep: int = pydantic.Field(3, ge=1)
-    uri: str | None = None  # s3://bucket[/prefix]: checkpoints also go to object storage
-    endpoint_url: str | None = None  # an S3-compatible endpoint other than AWS's (tests: moto)
-
-    @pydantic.field_validator("uri")
-    @classmethod
-    def _uri(cls, value: str | None) -> str | None:
-        return None if value is None else check_s3_uri(value)
-
-    @pydantic.field_validator("endpoint_url")
-    @classmethod
-    def _endpoint_url(cls, value: str | None) -> str | None:
-        return None if value is None else check_endpoint_url(value)
-    uri: str | None = None
-    endpoint_url: str | None = None
+    uri: S3Uri | None = None  # s3://bucket[/prefix]: checkpoints also go to object storage
+    endpoint_url: EndpointUrl | None = None  # an S3-compatible endpoint other than AWS's (tests: moto)
 
 
 class DashboardConfig(_Strict):
@@ -281,36 +291,12 @@ class DashboardConfig(_Strict):
 
 
 class RayConfig(_Strict):
-    address: str | None = None  # None: a local Ray session; "auto" or HOST:PORT: join that cluster
-
-    @pydantic.field_validator("address")
-    @classmethod
-    def _address(cls, value: str | None) -> str | None:
-        return None if value is None else check_ray_address(value)
+    address: RayAddress | None = None  # None: a local Ray session; "auto" or HOST:PORT: join that cluster
 
 
 class NetworkConfig(_Strict):
-    listen_host: str | None = None  # None: see ClusterConfig.listen_host()
-    announce_host: str | None = None  # None: the Ray node's IP address
-
-    @pydantic.field_validator("listen_host")
-    @classmethod
-    def _listen(cls, value: str | None) -> str | None:
-        return None if value is None else check_host(value)
-
-    @pydantic.field_validator("announce_host")
-    @classmethod
-    def _announce(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        check_host(value)
-        try:
-            wildcard = ipaddress.ip_address(value).is_unspecified
-        except ValueError:  # a hostname
-            wildcard = False
-        if wildcard:
-            raise ValueError(f"{value!r} is a wildcard to listen on; announce an address other peers can reach")
-        return value
+    listen_host: Host | None = None  # None: see ClusterConfig.listen_host()
+    announce_host: AnnounceHost | None = None  # None: the Ray node's IP address
 
 
 class MembershipConfig(_Strict):
@@ -407,23 +393,27 @@ def _aws_image_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
             if "ImageId" not in nt.node_config]
 
 
-def _aws_spot_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    """Spot is said one way: InstanceMarketOptions (Ray's) or spot (ours); a contradiction is an error."""
+def spot_said_twice(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,
+                    spot_is: str, other_is: str) -> list[tuple[Loc, str]]:
+    """Spot is said one way: the provider's own node_config ``key`` (Ray's) or spot (ours); a
+    contradiction is an error. ``spot_is``/``other_is`` say how the key reads for spot and not."""
     out: list[tuple[Loc, str]] = []
     for name, nt in config.available_node_types.items():
-        market, at = _market_type(nt), ("available_node_types", name)
+        market, at = market_of(nt), ("available_node_types", name)
         if market == "spot" and "spot" in nt.model_fields_set and not nt.spot:
-            out.append((at + ("spot",), "false, but node_config.InstanceMarketOptions asks for spot (MarketType "
-                                        "spot): remove one of the two (InstanceMarketOptions for on-demand, "
-                                        "spot: false for spot)"))
+            out.append((at + ("spot",), f"false, but node_config.{key} asks for spot ({spot_is}): remove one of "
+                                        f"the two ({key} for on-demand, spot: false for spot)"))
         elif market is not None and market != "spot" and nt.spot:
-            out.append((at + ("node_config", "InstanceMarketOptions"),
-                        f"MarketType {market!r} is not spot, but the node type is spot (spot: true, the default): "
-                        "set spot: false"))
+            out.append((at + ("node_config", key), other_is.format(market=repr(market)) + " is not spot, but the "
+                        "node type is spot (spot: true, the default): set spot: false"))
         elif market == "spot" and config.spot.market == "on-demand" and name != config.head_node_type:
             out.append((("spot", "market"), f"'on-demand' for the whole fleet, but available_node_types.{name}."
-                                            "node_config.InstanceMarketOptions asks for spot: remove one"))
+                                            f"node_config.{key} asks for spot: remove one"))
     return out
+
+
+def _aws_spot_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
+    return spot_said_twice(config, _market_type, "InstanceMarketOptions", "MarketType spot", "MarketType {market}")
 
 
 def config_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
@@ -439,17 +429,23 @@ def config_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
                                   for key in given[:1]]  # project_id sets project too: one warning
     if config.provider.type != "aws":
         return out
+    return out + spot_said_alike(config, _market_type, "InstanceMarketOptions",
+                                 "InstanceMarketOptions wins: it is sent to EC2 as given")
+
+
+def spot_said_alike(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,
+                    twice: str) -> list[tuple[Loc, str]]:
+    """Warnings where the provider's node_config ``key`` asks for spot: on the head, or with spot: true too."""
+    out: list[tuple[Loc, str]] = []
     for name, nt in config.available_node_types.items():
-        if _market_type(nt) != "spot":
+        if market_of(nt) != "spot":
             continue
         at = ("available_node_types", name)
         if name == config.head_node_type:
-            out.append((at + ("node_config", "InstanceMarketOptions"),
-                        "the head node type asks for spot; the head should be on-demand (spotswarm does not "
-                        "launch it: it is where the supervisor runs)"))
+            out.append((at + ("node_config", key), "the head node type asks for spot; the head should be on-demand "
+                        "(spotswarm does not launch it: it is where the supervisor runs)"))
         elif "spot" in nt.model_fields_set and nt.spot:
-            out.append((at + ("spot",), "true and node_config.InstanceMarketOptions say the same (spot); "
-                                        "InstanceMarketOptions wins: it is sent to EC2 as given"))
+            out.append((at + ("spot",), f"true and node_config.{key} say the same (spot); {twice}"))
     return out
 
 

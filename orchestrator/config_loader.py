@@ -118,6 +118,8 @@ def _argument(info: FieldInfo) -> dict[str, Any]:
     kind = info.annotation
     if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the flag gives an X
         (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    if typing.get_origin(kind) is typing.Annotated:  # a checked type: the model checks the flag's value
+        kind = typing.get_args(kind)[0]
     default = info.get_default(call_default_factory=True)
     shown = " ".join(map(str, default)) if isinstance(default, list) else default
     note = f" (default {shown})" if shown not in (None, "") and shown is not False else ""

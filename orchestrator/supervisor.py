@@ -225,19 +225,18 @@ class SupervisorCore:
 
     def stop(self) -> None:
         """Release every instance (gracefully), keep the run's data."""
-        self._halt()
-        self.policy.release_all()
-        self.policy.shutdown()
-        self.store.event("supervisor_stop")
-        self._flush_archive()
-        self.dht.shutdown()
-        self.store.close()
+        self._close(release=True)
 
     def detach(self) -> None:
         """Stop supervising but leave the fleet running, for the next supervisor to adopt."""
+        self._close(release=False)
+
+    def _close(self, release: bool) -> None:
         self._halt()
+        if release:
+            self.policy.release_all()
         self.policy.shutdown()
-        self.store.event("supervisor_detach")
+        self.store.event("supervisor_stop" if release else "supervisor_detach")
         self._flush_archive()
         self.dht.shutdown()
         self.store.close()

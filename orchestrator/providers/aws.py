@@ -15,26 +15,21 @@ own IMDS watchers, not from here; ``poll_terminated`` reconciles with ``describe
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter
 from typing import Any
 
 from ..config import ClusterConfig
 from .base import (
-    INSTANCE_TAG,
-    NODE_TYPE_TAG,
     RUN_TAG,
     CapacityError,
     Instance,
     LaunchSpec,
-    NodeProvider,
-    PreemptionNotice,
     ProviderAuthError,
     ProviderError,
     Transient,
     retry_transient,
 )
+from .cloud import CloudProvider, Machine
 
 logger = logging.getLogger(__name__)
 
@@ -56,27 +51,17 @@ def _error_code(error: Exception) -> str:
     return getattr(error, "response", {}).get("Error", {}).get("Code", "") if hasattr(error, "response") else ""
 
 
-class AwsProvider(NodeProvider):
+class AwsProvider(CloudProvider):
     """The ``aws`` provider; every method that talks to EC2 may block (the policy runs them on
     threads), ``price`` answers from the cache."""
 
-    #: seconds between describe_instances reconciliations (the notices come from the instances)
-    poll_interval_s: float = 5.0
     #: seconds between refreshes of the spot price history
     price_ttl_s: float = 300.0
-    #: instances with the run's tag that nobody launched or adopted are released after this long
-    orphan_grace_s: float = 120.0
 
     def __init__(self, config: ClusterConfig, clock: Any, client: Any = None, max_attempts: int = 8) -> None:
-        self.config = config
-        self.clock = clock
+        super().__init__(config, clock, max_attempts)
         self.ec2 = client or self._client(config)
-        self.calls: Counter[str] = Counter()  # API calls by operation (and retries), for the figures
         self.ec2.meta.events.register("before-call.ec2.*", self._count)
-        self.max_attempts = max_attempts
-        self.instances: dict[str, Instance] = {}
-        self._preempted: set[str] = set()
-        self._lock = threading.Lock()
         self._spot_prices: dict[tuple[str, str], float] = {}
         self._prices_at = float("-inf")
         self._subnets = self._zone_subnets()
@@ -168,13 +153,8 @@ class AwsProvider(NodeProvider):
         self._prices_at = time.monotonic()
 
     def price(self, node_type: str, zone: str, market: str) -> float:
-        nt = self.config.available_node_types[node_type]
-        if market == "on-demand":
-            return nt.on_demand_price_per_hour
-        cached = self._spot_prices.get((node_type, zone))
-        if cached is not None:
-            return cached
-        return nt.spot_price_per_hour.get(zone, 0.3 * nt.on_demand_price_per_hour)
+        cached = self._spot_prices.get((node_type, zone)) if market == "spot" else None
+        return cached if cached is not None else self.config.available_node_types[node_type].price(zone, market)
 
     # ---- launching -------------------------------------------------------------------------------
     def run_params(self, spec: LaunchSpec) -> dict[str, Any]:
@@ -233,14 +213,7 @@ class AwsProvider(NodeProvider):
             answer = self._call("run_instances", **params)
         except CapacityError as e:
             raise CapacityError(str(e), spec.zone, spec.market) from None
-        ec2_id = answer["Instances"][0]["InstanceId"]
-        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
-                        self.price(spec.node_type, spec.zone, spec.market), self.clock(), tags=dict(spec.tags),
-                        handle=ec2_id)
-        with self._lock:
-            self.instances[inst.id] = inst
-        logger.info("launched %s as %s in %s (%s)", inst.id, ec2_id, spec.zone, spec.market)
-        return inst
+        return self._launched(spec, answer["Instances"][0]["InstanceId"])
 
     def terminate(self, instance: Instance) -> None:
         try:
@@ -248,8 +221,7 @@ class AwsProvider(NodeProvider):
         except ProviderError as e:
             if "InvalidInstanceID.NotFound" not in str(e):
                 raise
-        with self._lock:
-            self.instances.pop(instance.id, None)
+        self._forget([instance.id])
 
     # ---- the fleet as EC2 sees it ----------------------------------------------------------------
     def _describe(self, tag_filters: dict[str, str], states: list[str] | None = None) -> list[dict]:
@@ -264,30 +236,16 @@ class AwsProvider(NodeProvider):
             if not token:
                 return found
 
-    def _from_ec2(self, described: dict) -> Instance | None:
-        tags = {t["Key"]: t["Value"] for t in described.get("Tags", [])}
-        instance_id, node_type = tags.get(INSTANCE_TAG), tags.get(NODE_TYPE_TAG)
-        if instance_id is None or node_type not in self.config.available_node_types:
-            return None
-        zone = described["Placement"]["AvailabilityZone"]
-        market = "spot" if described.get("InstanceLifecycle") == "spot" else "on-demand"
-        age = time.time() - described["LaunchTime"].timestamp()
-        return Instance(instance_id, node_type, zone, market, self.price(node_type, zone, market),
-                        self.clock() - max(age, 0.0), tags=tags, handle=described["InstanceId"])
+    def _machine(self, described: dict) -> Machine:
+        return Machine(described["InstanceId"], {t["Key"]: t["Value"] for t in described.get("Tags", [])},
+                       described["Placement"]["AvailabilityZone"], described.get("InstanceLifecycle") == "spot",
+                       described["LaunchTime"].timestamp())
+
+    def _release(self, described: dict) -> None:
+        self._call("terminate_instances", InstanceIds=[described["InstanceId"]])
 
     def list(self, tag_filters: dict[str, str]) -> list[Instance]:
-        out = []
-        for described in self._describe(tag_filters, ["pending", "running"]):
-            inst = self._from_ec2(described)
-            if inst is None:
-                continue
-            with self._lock:
-                inst = self.instances.setdefault(inst.id, inst)
-            out.append(inst)
-        return out
-
-    def poll_notices(self, now: float) -> list[PreemptionNotice]:
-        return []  # EC2 tells the instance (IMDS); its worker reports the notice
+        return self._adopt(self._describe(tag_filters, ["pending", "running"]))
 
     def poll_terminated(self, now: float) -> list[str]:
         """Instances EC2 no longer runs (preempted when its state reason says so); releases the
@@ -297,8 +255,7 @@ class AwsProvider(NodeProvider):
                 self.refresh_prices()
             except ProviderError as e:
                 logger.warning("spot prices not refreshed: %s", e)
-        with self._lock:  # before the call: a launch answered meanwhile is not in its answer yet
-            mine = {inst.handle: inst for inst in self.instances.values()}
+        mine = self._held()
         described = self._describe({RUN_TAG: self.config.cluster_name})
         seen, gone = set(), []
         for d in described:
@@ -314,21 +271,8 @@ class AwsProvider(NodeProvider):
         # gone from EC2's list altogether (its list lags a launch by seconds: only old instances count)
         gone += [inst.id for ec2_id, inst in mine.items()
                  if ec2_id not in seen and self.clock() - inst.launched_at > self.orphan_grace_s]
-        with self._lock:
-            for instance_id in gone:
-                self.instances.pop(instance_id, None)
+        self._forget(gone)
         return gone
-
-    def _release_orphan(self, described: dict) -> None:
-        age = time.time() - described["LaunchTime"].timestamp()
-        if age < self.orphan_grace_s:
-            return  # probably a launch whose answer is on its way
-        logger.warning("instance %s carries this run's tag but no one launched or adopted it; terminating it",
-                       described["InstanceId"])
-        self._call("terminate_instances", InstanceIds=[described["InstanceId"]])
-
-    def was_preempted(self, instance_id: str) -> bool:
-        return instance_id in self._preempted
 
     def shutdown(self) -> None:
         self.ec2.close()

@@ -23,29 +23,24 @@ import hashlib
 import json
 import logging
 import re
-import threading
 import time
 import urllib.parse
-from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from ..config import ClusterConfig
 from .base import (
-    INSTANCE_TAG,
-    NODE_TYPE_TAG,
     RUN_TAG,
     CapacityError,
     Instance,
     LaunchSpec,
-    NodeProvider,
-    PreemptionNotice,
     ProviderAuthError,
     ProviderError,
     Transient,
     retry_transient,
 )
+from .cloud import CloudProvider, Machine
 from .gcp_config import STARTUP_SCRIPT, TAGS_ITEM, canonical
 
 logger = logging.getLogger(__name__)
@@ -146,14 +141,10 @@ def _make_clients(config: ClusterConfig) -> tuple[Any, Any]:
                                 "account; see docs/gcp.md") from None
 
 
-class GcpProvider(NodeProvider):
+class GcpProvider(CloudProvider):
     """The ``gcp`` provider; every method that talks to GCE may block (the policy runs them on
     threads), ``price`` answers from the config."""
 
-    #: seconds between instances.list reconciliations (the notices come from the instances)
-    poll_interval_s: float = 5.0
-    #: instances with the run's label that nobody launched or adopted are deleted after this long
-    orphan_grace_s: float = 120.0
     #: seconds a launch waits for its insert operation
     operation_timeout_s: float = 300.0
     #: seconds one HTTP request may take
@@ -163,15 +154,9 @@ class GcpProvider(NodeProvider):
                  max_attempts: int = 8) -> None:
         if config.provider.project is None:
             raise ProviderError("the gcp provider needs provider.project_id (or provider.project)")
-        self.config = config
-        self.clock = clock
+        super().__init__(config, clock, max_attempts)
         self.project = config.provider.project
         self.instances_api, self.operations_api = clients or _make_clients(config)
-        self.calls: Counter[str] = Counter()  # API calls by method (every attempt), for the figures
-        self.max_attempts = max_attempts
-        self.instances: dict[str, Instance] = {}
-        self._preempted: set[str] = set()
-        self._lock = threading.Lock()
         self.zones = list(config.provider.zones)
         if not self.zones:
             raise ProviderError("the gcp provider needs provider.zones (or provider.availability_zone)")
@@ -238,10 +223,7 @@ class GcpProvider(NodeProvider):
     # ---- prices ----------------------------------------------------------------------------------
     def price(self, node_type: str, zone: str, market: str) -> float:
         """From the config: GCE publishes prices in the Cloud Billing catalog, not its compute API."""
-        nt = self.config.available_node_types[node_type]
-        if market == "on-demand":
-            return nt.on_demand_price_per_hour
-        return nt.spot_price_per_hour.get(zone, 0.3 * nt.on_demand_price_per_hour)
+        return self.config.available_node_types[node_type].price(zone, market)
 
     # ---- launching -------------------------------------------------------------------------------
     def insert_body(self, spec: LaunchSpec) -> dict[str, Any]:
@@ -322,13 +304,7 @@ class GcpProvider(NodeProvider):
             if codes & CAPACITY_CODES:
                 raise CapacityError(text, spec.zone, spec.market)
             raise ProviderError(text)
-        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
-                        self.price(spec.node_type, spec.zone, spec.market), self.clock(), tags=dict(spec.tags),
-                        handle=body["name"])
-        with self._lock:
-            self.instances[inst.id] = inst
-        logger.info("launched %s as %s in %s (%s)", inst.id, body["name"], spec.zone, spec.market)
-        return inst
+        return self._launched(spec, body["name"])
 
     def _delete(self, zone: str, name: str) -> None:
         """Delete an instance (not waiting for it: GCE takes tens of seconds); gone already is fine."""
@@ -341,8 +317,7 @@ class GcpProvider(NodeProvider):
 
     def terminate(self, instance: Instance) -> None:
         self._delete(instance.zone, instance.handle)
-        with self._lock:
-            self.instances.pop(instance.id, None)
+        self._forget([instance.id])
 
     # ---- the fleet as GCE sees it ----------------------------------------------------------------
     def _list_zone(self, zone: str, tag_filters: dict[str, str], max_results: int = 500) -> list[Any]:
@@ -370,36 +345,21 @@ class GcpProvider(NodeProvider):
                     break
         return dict(described.labels)
 
-    def _from_gce(self, described: Any) -> Instance | None:
-        tags = self._tags(described)
-        instance_id, node_type = tags.get(INSTANCE_TAG), tags.get(NODE_TYPE_TAG)
-        if instance_id is None or node_type not in self.config.available_node_types:
-            return None
-        zone, market = _last_part(described.zone), "spot" if _is_spot(described) else "on-demand"
-        age = time.time() - _timestamp(described.creation_timestamp)
-        return Instance(instance_id, node_type, zone, market, self.price(node_type, zone, market),
-                        self.clock() - max(age, 0.0), tags=tags, handle=described.name)
+    def _machine(self, described: Any) -> Machine:
+        return Machine(described.name, self._tags(described), _last_part(described.zone), _is_spot(described),
+                       _timestamp(described.creation_timestamp))
+
+    def _release(self, described: Any) -> None:
+        self._delete(_last_part(described.zone), described.name)
 
     def list(self, tag_filters: dict[str, str]) -> list[Instance]:
-        out = []
-        for described in self._list(tag_filters):
-            inst = self._from_gce(described) if described.status in LIVE_STATES else None
-            if inst is None:
-                continue
-            with self._lock:
-                inst = self.instances.setdefault(inst.id, inst)
-            out.append(inst)
-        return out
-
-    def poll_notices(self, now: float) -> list[PreemptionNotice]:
-        return []  # GCE tells the instance (its metadata server); its worker reports the notice
+        return self._adopt(d for d in self._list(tag_filters) if d.status in LIVE_STATES)
 
     def poll_terminated(self, now: float) -> list[str]:
         """Instances GCE no longer runs (preempted when it says so, see ``_preempted_by_status``);
         stopped ones are deleted (their disks bill on); orphans (labelled instances nobody launched
         or adopted, e.g. after a lost answer) are released."""
-        with self._lock:  # before the call: a launch answered meanwhile is not in its answer yet
-            mine = {inst.handle: inst for inst in self.instances.values()}
+        mine = self._held()
         described = self._list({RUN_TAG: self.config.cluster_name})
         seen, gone = set(), []
         for d in described:
@@ -418,9 +378,7 @@ class GcpProvider(NodeProvider):
         vanished = [inst for name, inst in mine.items() if name not in seen]  # deleted (DELETE on preemption)
         self._preempted.update(self._preempted_by_operations(vanished))
         gone += [inst.id for inst in vanished]
-        with self._lock:
-            for instance_id in gone:
-                self.instances.pop(instance_id, None)
+        self._forget(gone)
         return gone
 
     def _delete_stopped(self, described: Any) -> None:
@@ -445,17 +403,6 @@ class GcpProvider(NodeProvider):
                 continue
             out |= {inst.id for inst in vanished if inst.zone == zone and inst.handle in targets}
         return out
-
-    def _release_orphan(self, described: Any) -> None:
-        age = time.time() - _timestamp(described.creation_timestamp)
-        if age < self.orphan_grace_s:
-            return  # probably a launch whose answer is on its way
-        logger.warning("instance %s carries this run's label but no one launched or adopted it; deleting it",
-                       described.name)
-        self._delete(_last_part(described.zone), described.name)
-
-    def was_preempted(self, instance_id: str) -> bool:
-        return instance_id in self._preempted
 
     def shutdown(self) -> None:
         for client in (self.instances_api, self.operations_api):

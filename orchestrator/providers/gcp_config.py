@@ -276,22 +276,10 @@ def _fleet_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
 
 
 def _spot_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
-    """Spot is said one way: scheduling (Ray's) or spot (ours); a contradiction is an error."""
-    out: list[tuple[Path, str]] = []
-    for name, nt in config.available_node_types.items():
-        market, at = scheduling_market(nt.node_config), ("available_node_types", name)
-        where = at + ("node_config", "scheduling")
-        if market == "spot" and "spot" in nt.model_fields_set and not nt.spot:
-            out.append((at + ("spot",), "false, but node_config.scheduling asks for spot (provisioningModel SPOT "
-                                        "or preemptible): remove one of the two (scheduling for on-demand, "
-                                        "spot: false for spot)"))
-        elif market == "on-demand" and nt.spot:
-            out.append((where, "provisioningModel STANDARD is not spot, but the node type is spot (spot: true, "
-                               "the default): set spot: false"))
-        elif market == "spot" and config.spot.market == "on-demand" and name != config.head_node_type:
-            out.append((("spot", "market"), f"'on-demand' for the whole fleet, but available_node_types.{name}."
-                                            "node_config.scheduling asks for spot: remove one"))
-    return out
+    from ..config import spot_said_twice  # config.py imports this module when it checks a gcp config
+
+    return spot_said_twice(config, lambda nt: scheduling_market(nt.node_config), "scheduling",
+                           "provisioningModel SPOT or preemptible", "provisioningModel STANDARD")
 
 
 def gcp_config_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
@@ -301,15 +289,6 @@ def gcp_config_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
 
 def gcp_config_warnings(config: ClusterConfig) -> list[tuple[Path, str]]:
     """Allowed but worth a word: a spot head, spot said twice."""
-    out: list[tuple[Path, str]] = []
-    for name, nt in config.available_node_types.items():
-        if scheduling_market(nt.node_config) != "spot":
-            continue
-        at = ("available_node_types", name)
-        if name == config.head_node_type:
-            out.append((at + ("node_config", "scheduling"),
-                        "the head node type asks for spot; the head should be on-demand (spotswarm does not "
-                        "launch it: it is where the supervisor runs)"))
-        elif "spot" in nt.model_fields_set and nt.spot:
-            out.append((at + ("spot",), "true and node_config.scheduling say the same (spot); one is enough"))
-    return out
+    from ..config import spot_said_alike  # config.py imports this module when it checks a gcp config
+
+    return spot_said_alike(config, lambda nt: scheduling_market(nt.node_config), "scheduling", "one is enough")

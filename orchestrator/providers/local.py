@@ -51,10 +51,7 @@ class SimulatedMarket:
         return self.config.provider.provisioning_delay_s
 
     def price(self, node_type: str, zone: str, market: str) -> float:
-        nt = self.config.available_node_types[node_type]
-        if market == "on-demand":
-            return nt.on_demand_price_per_hour
-        return nt.spot_price_per_hour.get(zone, 0.3 * nt.on_demand_price_per_hour)
+        return self.config.available_node_types[node_type].price(zone, market)
 
     def schedule(self, spec: LaunchSpec, now: float) -> None:
         self.schedules[spec.instance_id] = self._draw(spec.sequence, spec.node_type, spec.market, now)
