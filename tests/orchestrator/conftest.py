@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -131,11 +132,8 @@ class LoopServers:
 
 @pytest.fixture
 def loop_servers() -> Iterator[LoopServers]:
-    servers = LoopServers()
-    try:
+    with closing(LoopServers()) as servers:
         yield servers
-    finally:
-        servers.close()
 
 
 class FakeImds:
@@ -411,11 +409,8 @@ class Ec2Harness(MachineHarness):
 
 @pytest.fixture
 def ec2_harness(aws: str, loop_servers: LoopServers, tmp_path: Path) -> Iterator[Ec2Harness]:
-    harness = Ec2Harness(aws, loop_servers, tmp_path / "machines")
-    try:
+    with closing(Ec2Harness(aws, loop_servers, tmp_path / "machines")) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 @pytest.fixture
@@ -841,11 +836,8 @@ def gce_api(loop_servers: LoopServers) -> FakeComputeApi:
 
 @pytest.fixture
 def gce_harness(gce_api: FakeComputeApi, loop_servers: LoopServers, tmp_path: Path) -> Iterator[GceHarness]:
-    harness = GceHarness(gce_api, loop_servers, tmp_path / "machines")
-    try:
+    with closing(GceHarness(gce_api, loop_servers, tmp_path / "machines")) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 @pytest.fixture

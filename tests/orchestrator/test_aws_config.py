@@ -9,7 +9,6 @@ import logging
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,10 +20,18 @@ from orchestrator.config import (
     ProviderConfig,
     load_cluster_config,
 )
+from tests.orchestrator.run_checks import (
+    ANY_JSON,
+    check_any_node_config,
+    errors_of,
+    line_of,
+    load,
+    validate_shipped,
+    write,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 AMI = "ami-0123456789abcdef0"
 AWS = f"""\
 cluster_name: t
@@ -87,30 +94,14 @@ training:
 """
 
 
-def write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def load(path: Path) -> tuple[ClusterConfig, list[str]]:
-    warnings: list[str] = []
-    return load_cluster_config(path, warnings), warnings
-
-
-def errors_of(path: Path) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_cluster_config(path, [])
-    return str(info.value).splitlines()
+def with_provider(tmp_path: Path, lines: str) -> Path:
+    """AWS with ``lines`` (indented two spaces) added to the provider section, from line 5 on."""
+    return write(tmp_path, AWS.replace("  region: us-east-1\n", "  region: us-east-1\n" + lines))
 
 
 def with_node_config(tmp_path: Path, lines: str) -> Path:
     """AWS with ``lines`` (indented six spaces) added to node type w's node_config, from line 10 on."""
     return write(tmp_path, AWS.replace(NODE_CONFIG_END, NODE_CONFIG_END + lines))
-
-
-def line_of(text: str, start: str) -> int:
-    return next(i for i, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith(start))
 
 
 # ---- a Ray cluster-launcher YAML -------------------------------------------------------------
@@ -151,12 +142,12 @@ def test_without_a_list_the_warnings_are_logged(tmp_path, caplog):
 
 
 def test_a_ray_key_close_to_ours_says_which_one_we_read(tmp_path):
-    path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  namespace: n"))
+    path = with_provider(tmp_path, "  namespace: n\n")
     assert load(path)[1] == [f"{path}:5: provider.namespace: {UNUSED}ignored (did you mean 'namespaces'?)"]
 
 
 def test_rays_gcp_project_id_is_the_gcp_providers_and_ignored_here(tmp_path):
-    path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  project_id: p"))
+    path = with_provider(tmp_path, "  project_id: p\n")
     assert load(path)[1] == [f"{path}:5: provider.project_id: read by the gcp provider only (the GCP project); "
                              "ignored for provider 'aws'"]
 
@@ -186,8 +177,7 @@ def test_ray_launcher_keys_cover_rays_schema_and_none_is_ours():
 
 # ---- zones: provider.zones or Ray's provider.availability_zone -------------------------------
 def test_availability_zone_gives_the_zones(tmp_path):
-    path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n"
-                                                             "  availability_zone: 'us-east-1a, us-east-1c'"))
+    path = with_provider(tmp_path, "  availability_zone: 'us-east-1a, us-east-1c'\n")
     config = load(path)[0]
     assert (config.provider.zones, config.provider.availability_zone) == (["us-east-1a", "us-east-1c"],
                                                                           "us-east-1a, us-east-1c")
@@ -196,7 +186,7 @@ def test_availability_zone_gives_the_zones(tmp_path):
 
 def test_aws_zones_default_to_none_listed_and_local_keeps_its_own(tmp_path):
     assert load(write(tmp_path, AWS))[0].provider.zones == []
-    explicit = load(write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  zones: [b, a]")))[0]
+    explicit = load(with_provider(tmp_path, "  zones: [b, a]\n"))[0]
     assert explicit.provider.zones == ["b", "a"]
     local = ClusterConfig.model_validate({"cluster_name": "t", "available_node_types": {"a": {}}})
     assert local.provider.zones == ["local-a", "local-b"]
@@ -210,13 +200,12 @@ def test_aws_zones_default_to_none_listed_and_local_keeps_its_own(tmp_path):
                                          "separated by commas, e.g. 'us-east-1a,us-east-1b'"),
 ])
 def test_zones_and_availability_zone_must_agree(tmp_path, provider, error):
-    path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  " + provider))
+    path = with_provider(tmp_path, f"  {provider}\n")
     assert errors_of(path) == [f"{path}{error}"]
 
 
 def test_the_same_zones_both_ways_are_fine_and_local_refuses_availability_zone(tmp_path):
-    both = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  availability_zone: a,b\n"
-                                                              "  zones: [b, a]"))
+    both = with_provider(tmp_path, "  availability_zone: a,b\n  zones: [b, a]\n")
     assert load(both)[0].provider.zones == ["b", "a"]
     local = write(tmp_path, "cluster_name: t\nprovider:\n  availability_zone: a\navailable_node_types: {a: {}}\n")
     assert errors_of(local) == [f"{local}:3: provider.availability_zone: Ray's key for a cloud provider's zones; "
@@ -368,10 +357,10 @@ def test_a_bad_checkpoint_location_names_the_key_and_line(tmp_path, key, value, 
 
 
 def test_the_provider_endpoint_url_is_a_url_too(tmp_path):
-    path = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  endpoint_url: localhost:5000"))
+    path = with_provider(tmp_path, "  endpoint_url: localhost:5000\n")
     assert errors_of(path) == [f"{path}:5: provider.endpoint_url: 'localhost:5000' is not an http:// or https:// "
                                "URL, e.g. http://127.0.0.1:5000"]
-    good = write(tmp_path, AWS.replace("  region: us-east-1", "  region: us-east-1\n  endpoint_url: http://[::1]:5000"))
+    good = with_provider(tmp_path, "  endpoint_url: http://[::1]:5000\n")
     assert load(good)[0].provider.endpoint_url == "http://[::1]:5000"
 
 
@@ -386,13 +375,7 @@ def test_aws_needs_boto3(monkeypatch):
 
 
 def test_validate_the_shipped_aws_config(capsys):
-    from orchestrator.cli import main
-
-    path = ROOT / "cluster_configs" / "aws-spot.yaml"
-    assert main(["validate", str(path)]) == 0
-    out, err = capsys.readouterr()
-    assert (out, err) == (f"{path}: valid (provider aws, mode actors, 2 node types, 2..3 instances)\n", "")
-    config = load(path)[0]
+    config = validate_shipped(capsys, "aws-spot.yaml", "provider aws, mode actors, 2 node types, 2..3 instances")
     assert config.provider.zones == ["us-east-1a", "us-east-1b", "us-east-1c"]
     assert config.checkpoint.uri == "s3://spotswarm-runs/aws-demo"
     assert config.available_node_types["worker-spot"].node_config["InstanceMarketOptions"]["MarketType"] == "spot"
@@ -409,27 +392,12 @@ def test_validate_prints_warnings_and_exits_0(tmp_path, capsys):
 
 
 # ---- fuzzing: whatever node_config holds, a config or a ConfigError --------------------------
-_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
-                                                                                   max_size=3),
-                     max_leaves=15)
 _MEMBERS = st.sampled_from(["InstanceType", "ImageId", "BlockDeviceMappings", "Placement", "InstanceMarketOptions",
                             "SubnetId", "SubnetIds", "TagSpecifications", "MinCount", "NetworkInterfaces",
                             "CpuOptions", "MetadataOptions"])
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(_MEMBERS | st.text(max_size=12), _JSON, max_size=6), st.booleans())
+@given(st.dictionaries(_MEMBERS | st.text(max_size=12), ANY_JSON, max_size=6), st.booleans())
 def test_fuzz_any_node_config_gives_a_config_or_a_config_error(tmp_path_factory, node_config, head):
-    data = yaml.safe_load(AWS)
-    data["available_node_types"]["w"]["node_config"] = node_config
-    if head:
-        data["head_node_type"] = "w"
-    path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
-    path.write_text(yaml.safe_dump(data, allow_unicode=True))
-    warnings: list[str] = []
-    try:
-        load_cluster_config(path, warnings)
-    except ConfigError as e:
-        assert all(line.startswith(f"{path}:") for line in str(e).splitlines())
-    assert all(w.startswith(f"{path}:") and "\n" not in w for w in warnings)
+    check_any_node_config(tmp_path_factory, AWS, node_config, head)

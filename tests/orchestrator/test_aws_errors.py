@@ -10,16 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 pytest.importorskip("boto3")
 
 from orchestrator.cli import main  # noqa: E402
 from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.policy import FleetPolicy  # noqa: E402
 from orchestrator.providers.aws import AwsProvider  # noqa: E402
 from orchestrator.providers.base import LaunchSpec  # noqa: E402
-from orchestrator.run_store import RunStore  # noqa: E402
+from tests.orchestrator.run_checks import fleet_policy, refusal_stops_the_run, shipped_yaml  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,62 +34,24 @@ def aws_config(tmp_path: Path, endpoint: str, **spot: Any) -> ClusterConfig:
     })
 
 
-class RecordingWorkers:
-    """The policy's worker control with no workers behind it (these tests are about the cloud)."""
-
-    def place(self, instance, worker_args) -> str:
-        return f"peer-{instance.id}"
-
-    def notify(self, instance, deadline_s) -> None:
-        pass
-
-    def poll_left(self, instance_ids) -> list[str]:
-        return []
-
-    def stop(self, instance) -> None:
-        pass
-
-    def running(self, instance) -> dict | None:
-        return None
-
-
-def run_policy(config: ClusterConfig, until, timeout: float = 30.0) -> FleetPolicy:
-    store = RunStore.create(config)
-    policy = FleetPolicy(config, AwsProvider(config, time.time), time.time, store, RecordingWorkers(), dict)
-    deadline = time.monotonic() + timeout
-    while not until(policy):
-        assert time.monotonic() < deadline, f"policy did not get there: {policy.status_text}"
-        policy.tick()
-        time.sleep(0.05)  # the policy's own tick period, shortened; the calls run on its threads
-    return policy
-
-
 def test_no_capacity_in_a_zone_launches_in_the_next(tmp_path, aws_proxy):
     aws_proxy.no_capacity = {("us-east-1a", "spot")}
-    policy = run_policy(aws_config(tmp_path, aws_proxy.url), lambda p: len(p.live) == 2)
-    try:
+    with fleet_policy(aws_config(tmp_path, aws_proxy.url), AwsProvider, live=2) as policy:
         assert {(i.zone, i.market) for i in policy.live.values()} == {("us-east-1b", "spot")}
         assert ("us-east-1a", "spot") in aws_proxy.refused  # tried first: the cheapest, by moto's prices
         kinds = [k for (_, k, _, _) in policy.store.events()]
         assert "no_capacity" in kinds and policy.fatal is None
-    finally:
-        policy.release_all()
-        policy.shutdown()
 
 
 def test_no_spot_capacity_anywhere_falls_back_to_on_demand(tmp_path, aws_proxy):
     aws_proxy.no_capacity = {(z, "spot") for z in ZONES}
-    policy = run_policy(aws_config(tmp_path, aws_proxy.url), lambda p: len(p.live) == 2)
-    try:
+    with fleet_policy(aws_config(tmp_path, aws_proxy.url), AwsProvider, live=2) as policy:
         assert {i.market for i in policy.live.values()} == {"on-demand"}
         assert sorted(set(aws_proxy.refused)) == [(z, "spot") for z in ZONES]
         ec2 = policy.provider.ec2
         described = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]]
         assert all("InstanceLifecycle" not in d for d in described)  # really on-demand in EC2
         assert [r.price_per_hour for r in policy.store.instances()] == [0.096, 0.096]
-    finally:
-        policy.release_all()
-        policy.shutdown()
 
 
 def test_throttled_calls_are_retried_with_backoff(tmp_path, aws_proxy):
@@ -103,25 +63,10 @@ def test_throttled_calls_are_retried_with_backoff(tmp_path, aws_proxy):
 
 
 def test_refused_credentials_at_runtime_stop_the_run(tmp_path, aws_proxy):
-    config = aws_config(tmp_path, aws_proxy.url)
-    store = RunStore.create(config)
-    policy = FleetPolicy(config, AwsProvider(config, time.time), time.time, store, RecordingWorkers(), dict)
-    aws_proxy.refuse_auth = True  # the keys were revoked after the run started
-    deadline = time.monotonic() + 30
-    try:
-        while policy.fatal is None:
-            assert time.monotonic() < deadline, "the refusal never stopped the run"
-            policy.tick()
-            time.sleep(0.05)
-        assert "AuthFailure" in policy.fatal and "credentials" in policy.fatal
-        assert policy.live == {} and policy.launching == 0
-        asked = aws_proxy.count("RunInstances")
-        for _ in range(5):
-            policy.tick()
-        assert aws_proxy.count("RunInstances") == asked  # nothing more is tried
-    finally:
-        policy.release_all()
-        policy.shutdown()
+    with fleet_policy(aws_config(tmp_path, aws_proxy.url), AwsProvider) as policy:
+        aws_proxy.refuse_auth = True  # the keys were revoked after the run started
+        fatal = refusal_stops_the_run(policy, lambda: aws_proxy.count("RunInstances"))
+        assert "AuthFailure" in fatal and "credentials" in fatal
 
 
 def test_launch_parameters(tmp_path, aws):
@@ -154,12 +99,7 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, moto_with_auth
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAREALKEY00000")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster_configs" / "aws-spot.yaml").read_text())
-    data["provider"]["endpoint_url"] = moto_with_auth
-    data["runs_dir"] = str(tmp_path / "runs")
-    path = tmp_path / "aws.yaml"
-    path.write_text(yaml.safe_dump(data))
-    assert main(["up", str(path)]) == 2
+    assert main(["up", str(shipped_yaml(tmp_path, "aws-spot.yaml", moto_with_auth))]) == 2
     err = capsys.readouterr().err
     assert "nothing started" in err and "AuthFailure" in err and "credentials" in err
     assert "Traceback" not in err
@@ -168,11 +108,7 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, moto_with_auth
 
 def test_down_config_terminates_the_runs_instances_with_no_head_left(tmp_path, aws, capsys):
     """The head and its run directory are gone; the YAML alone finds the fleet by tag."""
-    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster_configs" / "aws-spot.yaml").read_text())
-    data["provider"]["endpoint_url"] = aws
-    data["runs_dir"] = str(tmp_path / "runs")
-    path = tmp_path / "aws.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = shipped_yaml(tmp_path, "aws-spot.yaml", aws)
     from orchestrator.config import load_cluster_config
 
     config = load_cluster_config(path, warnings=[])

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.config import ClusterConfig, ConfigError, load_cluster_config
+from tests.orchestrator.run_checks import errors_of, write
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,18 +29,6 @@ available_node_types:
 training:
   task: synthetic
 """
-
-
-def write(tmp_path, text: str) -> Path:
-    path = tmp_path / "cluster.yaml"
-    path.write_text(text)
-    return path
-
-
-def errors_of(path: Path) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_cluster_config(path)
-    return str(info.value).splitlines()
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -7,18 +7,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("google.cloud.compute_v1")
 
-from orchestrator.config import ConfigError, load_cluster_config  # noqa: E402
 from orchestrator.providers.gcp_config import instance_fields  # noqa: E402
+from tests.orchestrator.run_checks import (  # noqa: E402
+    ANY_JSON,
+    check_any_node_config,
+    errors_of,
+    line_of,
+    load,
+    validate_shipped,
+    write,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 IMAGE = "projects/my-project/global/images/family/spotswarm"
 GCP = f"""\
 cluster_name: t
@@ -38,8 +44,19 @@ available_node_types:
 NODE_CONFIG_END = "      disks: [{boot"  # node_config lines added before it land from line 11 on
 UNUSED = "Ray's cluster launcher key, not used by spotswarm: "
 
-# Ray's GCP example (example-full.yaml's shape), as its cluster launcher takes it, plus our training section
-RAY_GCP_YAML = """\
+# Ray's GCP example (example-full.yaml's shape), as its cluster launcher takes it, plus our training section;
+# its head and worker node types boot the same machine
+RAY_NODE_CONFIG = """\
+    node_config:
+      machineType: n1-standard-2
+      disks:
+        - boot: true
+          autoDelete: true
+          type: PERSISTENT
+          initializeParams:
+            diskSizeGb: 50
+            sourceImage: projects/deeplearning-platform-release/global/images/family/common-cpu"""
+RAY_GCP_YAML = f"""\
 cluster_name: ray-gcp
 max_workers: 2
 upscaling_speed: 1.0
@@ -54,29 +71,13 @@ auth:
   ssh_user: ubuntu
 available_node_types:
   ray_head_default:
-    resources: {"CPU": 2}
-    node_config:
-      machineType: n1-standard-2
-      disks:
-        - boot: true
-          autoDelete: true
-          type: PERSISTENT
-          initializeParams:
-            diskSizeGb: 50
-            sourceImage: projects/deeplearning-platform-release/global/images/family/common-cpu
+    resources: {{"CPU": 2}}
+{RAY_NODE_CONFIG}
   ray_worker_small:
     min_workers: 0
     max_workers: 2
-    resources: {"CPU": 2}
-    node_config:
-      machineType: n1-standard-2
-      disks:
-        - boot: true
-          autoDelete: true
-          type: PERSISTENT
-          initializeParams:
-            diskSizeGb: 50
-            sourceImage: projects/deeplearning-platform-release/global/images/family/common-cpu
+    resources: {{"CPU": 2}}
+{RAY_NODE_CONFIG}
       scheduling:
         - preemptible: true
       serviceAccounts:
@@ -84,7 +85,7 @@ available_node_types:
           scopes:
             - https://www.googleapis.com/auth/cloud-platform
 head_node_type: ray_head_default
-file_mounts: {}
+file_mounts: {{}}
 setup_commands: []
 head_start_ray_commands:
   - ray stop
@@ -93,41 +94,14 @@ training:
 """
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "cluster.yaml"
-    path.write_text(text)
-    return path
-
-
-def load(path: Path):
-    warnings: list[str] = []
-    return load_cluster_config(path, warnings), warnings
-
-
-def errors_of(path: Path) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_cluster_config(path, [])
-    return str(info.value).splitlines()
-
-
 def with_node_config(tmp_path: Path, lines: str) -> Path:
     """GCP with ``lines`` (each indented six spaces) added to node type w's node_config, from line 11 on."""
     return write(tmp_path, GCP.replace(NODE_CONFIG_END, lines + NODE_CONFIG_END))
 
 
-def line_of(text: str, start: str) -> int:
-    return next(i for i, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith(start))
-
-
 # ---- the shipped file, Ray's file ----------------------------------------------------------------
 def test_the_shipped_gcp_config_validates_without_warnings(capsys):
-    from orchestrator.cli import main
-
-    path = ROOT / "cluster_configs" / "gcp-spot.yaml"
-    assert main(["validate", str(path)]) == 0
-    out, err = capsys.readouterr()
-    assert (out, err) == (f"{path}: valid (provider gcp, mode actors, 3 node types, 2..2 instances)\n", "")
-    config = load(path)[0]
+    config = validate_shipped(capsys, "gcp-spot.yaml", "provider gcp, mode actors, 3 node types, 2..2 instances")
     assert config.provider.project == "my-project" and config.provider.project_id == "my-project"
     assert config.provider.zones == ["us-central1-a", "us-central1-b", "us-central1-c"]
     assert config.spot.notice_period_s == 30
@@ -299,34 +273,19 @@ def test_gcp_needs_google_cloud_compute(monkeypatch, tmp_path):
 
 
 # ---- fuzzing: whatever node_config holds, a config or a ConfigError --------------------------
-_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
-                                                                                   max_size=3),
-                     max_leaves=15)
 _MEMBERS = st.sampled_from(["machineType", "disks", "networkInterfaces", "guestAccelerators", "serviceAccounts",
                             "metadata", "scheduling", "labels", "name", "zone", "machine_type", "canIpForward"])
 _NESTED = st.fixed_dictionaries({}, optional={
     "scheduling": st.lists(st.dictionaries(st.sampled_from(["preemptible", "provisioningModel", "onHostMaintenance"]),
-                                           _JSON, max_size=2), max_size=2) | st.dictionaries(
-        st.sampled_from(["provisioningModel", "onHostMaintenance", "automaticRestart", "x"]), _JSON, max_size=3),
-    "guestAccelerators": st.lists(st.dictionaries(st.sampled_from(["acceleratorType", "acceleratorCount"]), _JSON,
+                                           ANY_JSON, max_size=2), max_size=2) | st.dictionaries(
+        st.sampled_from(["provisioningModel", "onHostMaintenance", "automaticRestart", "x"]), ANY_JSON, max_size=3),
+    "guestAccelerators": st.lists(st.dictionaries(st.sampled_from(["acceleratorType", "acceleratorCount"]), ANY_JSON,
                                                   max_size=2), max_size=2),
     "metadata": st.dictionaries(st.just("items"), st.lists(st.dictionaries(st.sampled_from(["key", "value"]),
-                                                                           _JSON, max_size=2), max_size=2))})
+                                                                           ANY_JSON, max_size=2), max_size=2))})
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(_MEMBERS | st.text(max_size=12), _JSON, max_size=5), _NESTED, st.booleans())
+@given(st.dictionaries(_MEMBERS | st.text(max_size=12), ANY_JSON, max_size=5), _NESTED, st.booleans())
 def test_fuzz_any_node_config_gives_a_config_or_a_config_error(tmp_path_factory, node_config, nested, head):
-    data = yaml.safe_load(GCP)
-    data["available_node_types"]["w"]["node_config"] = {**node_config, **nested}
-    if head:
-        data["head_node_type"] = "w"
-    path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
-    path.write_text(yaml.safe_dump(data, allow_unicode=True))
-    warnings: list[str] = []
-    try:
-        load_cluster_config(path, warnings)
-    except ConfigError as e:
-        assert all(line.startswith(f"{path}:") for line in str(e).splitlines())
-    assert all(w.startswith(f"{path}:") and "\n" not in w for w in warnings)
+    check_any_node_config(tmp_path_factory, GCP, {**node_config, **nested}, head)

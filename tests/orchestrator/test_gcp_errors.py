@@ -12,20 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 pytest.importorskip("google.cloud.compute_v1")
 
 from orchestrator.cli import main  # noqa: E402
 from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.policy import FleetPolicy  # noqa: E402
 from orchestrator.providers.base import LaunchSpec, ProviderAuthError  # noqa: E402
 from orchestrator.providers.gcp import GcpProvider, instance_name, label_filter, label_value  # noqa: E402
-from orchestrator.run_store import RunStore  # noqa: E402
+from tests.orchestrator.run_checks import fleet_policy, refusal_stops_the_run, shipped_yaml  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[2]
 ZONES = ["us-central1-a", "us-central1-b"]
 IMAGE = "projects/my-project/global/images/family/spotswarm"
 TAGS = {"spotswarm-run": "errs", "spotswarm-instance": "errs-w-0007", "spotswarm-node-type": "w"}
@@ -41,45 +38,6 @@ def gcp_config(tmp_path: Path, endpoint: str, node_config: dict | None = None, *
                                        "spot_price_per_hour": {"us-central1-a": 0.02, "us-central1-b": 0.03}}},
         "spot": spot, "dashboard": {"enabled": False},
     })
-
-
-class RecordingWorkers:
-    """The policy's worker control with no workers behind it (these tests are about the cloud)."""
-
-    def place(self, instance, worker_args) -> str:
-        return f"peer-{instance.id}"
-
-    def notify(self, instance, deadline_s) -> None:
-        pass
-
-    def poll_left(self, instance_ids) -> list[str]:
-        return []
-
-    def stop(self, instance) -> None:
-        pass
-
-    def running(self, instance) -> dict | None:
-        return None
-
-
-def new_policy(config: ClusterConfig) -> FleetPolicy:
-    return FleetPolicy(config, GcpProvider(config, time.time), time.time, RunStore.create(config), RecordingWorkers(),
-                       dict)
-
-
-def run_policy(config: ClusterConfig, until, timeout: float = 30.0) -> FleetPolicy:
-    policy = new_policy(config)
-    deadline = time.monotonic() + timeout
-    while not until(policy):
-        assert time.monotonic() < deadline, f"policy did not get there: {policy.status_text}"
-        policy.tick()
-        time.sleep(0.05)  # the policy's own tick period, shortened; the calls run on its threads
-    return policy
-
-
-def stop(policy: FleetPolicy) -> None:
-    policy.release_all()
-    policy.shutdown()
 
 
 def test_insert_body(tmp_path, gce_api):
@@ -146,28 +104,22 @@ def test_launch_list_and_terminate_through_the_real_client(tmp_path, gce_api):
 
 def test_an_exhausted_zone_launches_in_the_next(tmp_path, gce_api):
     gce_api.exhausted = {("us-central1-a", "spot")}
-    policy = run_policy(gcp_config(tmp_path, gce_api.url), lambda p: len(p.live) == 2)
-    try:
+    with fleet_policy(gcp_config(tmp_path, gce_api.url), GcpProvider, live=2) as policy:
         assert {(i.zone, i.market) for i in policy.live.values()} == {("us-central1-b", "spot")}
         assert ("us-central1-a", "spot", "ZONE_RESOURCE_POOL_EXHAUSTED") in gce_api.refused  # the cheapest: first
         events = [(k, json.loads(d or "{}")) for (_, k, _, d) in policy.store.events()]
         refusals = [d for k, d in events if k == "no_capacity"]
         assert refusals and "ZONE_RESOURCE_POOL_EXHAUSTED" in refusals[0]["error"] and policy.fatal is None
-    finally:
-        stop(policy)
 
 
 def test_no_spot_quota_anywhere_falls_back_to_on_demand(tmp_path, gce_api):
     gce_api.over_quota = {(z, "spot") for z in ZONES}
-    policy = run_policy(gcp_config(tmp_path, gce_api.url), lambda p: len(p.live) == 2)
-    try:
+    with fleet_policy(gcp_config(tmp_path, gce_api.url), GcpProvider, live=2) as policy:
         assert {i.market for i in policy.live.values()} == {"on-demand"}
         assert sorted({(z, m) for z, m, _ in gce_api.refused}) == [(z, "spot") for z in ZONES]
         models = {i["scheduling"]["provisioningModel"] for i in gce_api.snapshot().values()}
         assert models == {"STANDARD"}  # really on-demand in GCE
         assert [r.price_per_hour for r in policy.store.instances()] == [0.097, 0.097]
-    finally:
-        stop(policy)
 
 
 @pytest.mark.parametrize("answers", [["429", "429", "429"], ["403", "429", "403"]])
@@ -182,23 +134,10 @@ def test_rate_limited_calls_are_retried_with_backoff(tmp_path, gce_api, answers)
 
 
 def test_refused_credentials_at_runtime_stop_the_run(tmp_path, gce_api):
-    config = gcp_config(tmp_path, gce_api.url)
-    policy = new_policy(config)
-    gce_api.refuse_auth = 403  # the service account lost its role after the run started
-    deadline = time.monotonic() + 30
-    try:
-        while policy.fatal is None:
-            assert time.monotonic() < deadline, "the refusal never stopped the run"
-            policy.tick()
-            time.sleep(0.05)  # the policy's tick period, shortened
-        assert "permission" in policy.fatal and "IAM" in policy.fatal
-        assert policy.live == {} and policy.launching == 0
-        asked = gce_api.count("instances.insert")
-        for _ in range(5):
-            policy.tick()
-        assert gce_api.count("instances.insert") == asked  # nothing more is tried
-    finally:
-        stop(policy)
+    with fleet_policy(gcp_config(tmp_path, gce_api.url), GcpProvider) as policy:
+        gce_api.refuse_auth = 403  # the service account lost its role after the run started
+        fatal = refusal_stops_the_run(policy, lambda: gce_api.count("instances.insert"))
+        assert "permission" in fatal and "IAM" in fatal
 
 
 def test_reconciliation_sorts_preempted_from_died_and_releases_orphans(tmp_path, gce_api):
@@ -228,19 +167,10 @@ def test_reconciliation_sorts_preempted_from_died_and_releases_orphans(tmp_path,
     stranger.shutdown()
 
 
-def shipped_yaml(tmp_path: Path, endpoint: str) -> Path:
-    data = yaml.safe_load((ROOT / "cluster_configs" / "gcp-spot.yaml").read_text())
-    data["provider"]["endpoint_url"] = endpoint
-    data["runs_dir"] = str(tmp_path / "runs")
-    path = tmp_path / "gcp.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 @pytest.mark.parametrize("status", [401, 403])
 def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, gce_api, capsys, status):
     gce_api.refuse_auth = status
-    assert main(["up", str(shipped_yaml(tmp_path, gce_api.url))]) == 2
+    assert main(["up", str(shipped_yaml(tmp_path, "gcp-spot.yaml", gce_api.url))]) == 2
     err = capsys.readouterr().err
     # a 403 names GCE's answer; on a 401 google-auth first tries new credentials (anonymous ones have none)
     detail = "GCE instances.list: 403 FORBIDDEN" if status == 403 else "could not be had"
@@ -250,7 +180,7 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, gce_api, capsy
 
 
 def test_down_deletes_every_instance_labelled_with_the_run(tmp_path, gce_api, capsys):
-    path = shipped_yaml(tmp_path, gce_api.url)
+    path = shipped_yaml(tmp_path, "gcp-spot.yaml", gce_api.url)
     from orchestrator.config import load_cluster_config
 
     config = load_cluster_config(path)

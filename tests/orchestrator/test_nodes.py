@@ -4,7 +4,6 @@ started by its boot script, joined to this test's Ray head; a preemption kills t
 from __future__ import annotations
 
 import os
-import sqlite3
 from pathlib import Path
 
 import psutil
@@ -16,16 +15,16 @@ from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.ray_workers import worker_actor_name  # noqa: E402
 from orchestrator.run_store import RunStore  # noqa: E402
 from orchestrator.supervisor import SupervisorCore  # noqa: E402
+from tests.orchestrator.run_checks import (  # noqa: E402
+    assert_peers_agree,
+    query,
+    wait_for_epochs,
+    wait_for_first_step,
+    wait_for_workers,
+    wait_until_preempted,
+)
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.usefixtures("ray_session")]
-
-
-def query(run_dir: Path, sql: str, *args) -> list:
-    db = sqlite3.connect(run_dir / "run.sqlite")
-    try:
-        return db.execute(sql, args).fetchall()
-    finally:
-        db.close()
 
 
 def node_config(tmp_path: Path) -> ClusterConfig:
@@ -50,11 +49,6 @@ def worker_status(instance_id: str) -> dict:
     return ray.get(ray.get_actor(worker_actor_name(instance_id)).status.remote(), timeout=60)
 
 
-def history(instance_id: str) -> dict[int, str]:
-    records = ray.get(ray.get_actor(worker_actor_name(instance_id)).history.remote(), timeout=60)
-    return {r["epoch"]: r["params"] for r in records}
-
-
 def process_groups_alive(run_dir: Path) -> list[str]:
     """Instances with any process of their node's session still running (raylet, agents, worker)."""
     sessions = {}
@@ -75,18 +69,15 @@ def test_instances_are_ray_nodes_preemption_replaces_a_node_and_a_restart_adopts
     core.start()
     first = "n-small-0000"
     try:
-        wait_for(lambda: len([i for i in list(core.live.values()) if i.tags.get("peer_id")]) == 3, 180,
-                 "three workers running on their own nodes")
+        wait_for_workers(core, 3, wait_for, 180, "three workers running on their own nodes")
         nodes = {i: worker_status(i)["node_id"] for i in list(core.live)}
         driver_node = ray.get_runtime_context().get_node_id()
         assert len(set(nodes.values())) == len(nodes) >= 3 and driver_node not in nodes.values()  # one node each
 
-        wait_for(lambda: query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", first) == [("preempted",)],
-                 120, "the first instance's node to be killed")
+        wait_until_preempted(run_dir, first, wait_for, 120, "the first instance's node to be killed")
         wait_for(lambda: first not in process_groups_alive(run_dir), 30, "the killed node's processes to exit")
         replacement = "n-small-0003"
-        wait_for(lambda: query(run_dir, "SELECT 1 FROM events WHERE kind = 'first_step' AND instance_id = ?",
-                               replacement), 180, "the replacement's first averaged step")
+        wait_for_first_step(run_dir, replacement, wait_for, 180)
         others = {i: n for i, n in nodes.items() if i != replacement}
         assert worker_status(replacement)["node_id"] not in others.values()  # a new node, not a survivor
         live = sorted(list(core.live))
@@ -94,13 +85,8 @@ def test_instances_are_ray_nodes_preemption_replaces_a_node_and_a_restart_adopts
         kinds = [k for (k,) in query(run_dir, "SELECT kind FROM events WHERE instance_id = ? ORDER BY time", first)]
         assert kinds.index("notice") < kinds.index("preempted")
 
-        epoch_now = core.epoch
-        wait_for(lambda: core.epoch >= epoch_now + 2, 120, "training to go on")
-        histories = {i: history(i) for i in live}
-        common = set.intersection(*(set(h) for h in histories.values()))
-        assert common, "the three live peers share averaged epochs"
-        for epoch in sorted(common):
-            assert len({h[epoch] for h in histories.values()}) == 1, f"parameters differ after epoch {epoch}"
+        wait_for_epochs(core, 2, wait_for, 120)
+        assert_peers_agree(live, "the three live peers")
     except BaseException:
         core.stop()
         raise
@@ -112,8 +98,7 @@ def test_instances_are_ray_nodes_preemption_replaces_a_node_and_a_restart_adopts
     try:
         assert sorted(list(core.live)) == live
         core.start()
-        epoch_now = core.epoch
-        wait_for(lambda: core.epoch >= epoch_now + 2, 120, "training to go on under the new supervisor")
+        wait_for_epochs(core, 2, wait_for, 120, "training to go on under the new supervisor")
         assert query(run_dir, "SELECT COUNT(*) FROM instances")[0][0] == launched_before  # no duplicates
         assert sorted(list(core.live)) == live
         assert sorted(process_groups_alive(run_dir)) == live

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ ray = pytest.importorskip("ray")
 
 from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.run_store import RunStore, summarize_costs  # noqa: E402
-from orchestrator.supervisor import SupervisorCore  # noqa: E402
+from tests.orchestrator.run_checks import query, supervised, wait_until_preempted  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session")]
 
@@ -33,32 +32,17 @@ def cluster(tmp_path: Path, **overrides) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
-def query(run_dir: Path, sql: str, *args):
-    db = sqlite3.connect(run_dir / "run.sqlite")
-    try:
-        return db.execute(sql, args).fetchall()
-    finally:
-        db.close()
-
-
 def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp_path, wait_for):
     trace = tmp_path / "trace.csv"
     trace.write_text("notice_after_s,kill_after_s\n40,190\n,\n,\n")  # only the first instance is preempted
     # 150 simulated seconds (15 s here) between notice and kill: ample for a graceful leave on a busy machine
     config = cluster(tmp_path, provider={"trace_file": str(trace)})
-    RunStore.create(config).close()
-    run_dir = config.run_dir()
-    core = SupervisorCore(config, run_dir)
-    core.start()
-    try:
-        first = f"{config.cluster_name}-small-0000"
-        wait_for(lambda: query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", first) == [("preempted",)],
-                 120, "the first instance to be preempted")
+    first = f"{config.cluster_name}-small-0000"
+    with supervised(config) as (core, run_dir):
+        wait_until_preempted(run_dir, first, wait_for, 120, "the first instance to be preempted")
         killed_epoch = core.epoch
         wait_for(lambda: len(query(run_dir, "SELECT id FROM instances")) == 3, 60, "a replacement")
         wait_for(lambda: core.epoch >= killed_epoch + 3, 90, "the epoch to keep advancing")
-    finally:
-        core.stop()
 
     (launched, notice, ended), = query(run_dir, "SELECT launched_at, notice_at, ended_at FROM instances WHERE id = ?",
                                        first)
@@ -81,14 +65,8 @@ def test_the_budget_cap_is_never_exceeded(tmp_path, wait_for):
                                                      "on_demand_price_per_hour": 2.0,
                                                      "spot_price_per_hour": {"a": 1.0, "b": 1.0},
                                                      "preemption": {"distribution": "none"}}})
-    RunStore.create(config).close()
-    run_dir = config.run_dir()
-    core = SupervisorCore(config, run_dir)
-    core.start()
-    try:
+    with supervised(config) as (core, run_dir):
         wait_for(lambda: core.budget_exhausted, 120, "the budget to run out")
-    finally:
-        core.stop()
     store = RunStore.open(run_dir)
     try:
         spent = summarize_costs(store, now=max(i.ended_at for i in store.instances())).dollars

@@ -37,6 +37,20 @@ async def echo(request, ctx):
     return request
 
 
+class Arrivals:
+    """Counts the calls that have reached a handler; ``all_in`` is set once ``expected`` have."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.count = 0
+        self.all_in = asyncio.Event()
+
+    def arrive(self) -> None:
+        self.count += 1
+        if self.count == self.expected:
+            self.all_in.set()
+
+
 async def test_unary_roundtrip_of_nested_values(pair):
     a, b = pair
     b.register("echo", echo)
@@ -93,15 +107,11 @@ async def test_64mib_tensor_roundtrip_is_bit_exact(pair):
 
 async def test_1000_concurrent_calls_share_one_connection(pair):
     a, b = pair
-    started = 0
-    all_started = asyncio.Event()
+    started = Arrivals(1000)
 
     async def wait_for_everyone(i, ctx):
-        nonlocal started
-        started += 1
-        if started == 1000:
-            all_started.set()
-        await all_started.wait()  # proves all 1000 are in flight at once
+        started.arrive()
+        await started.all_in.wait()  # proves all 1000 are in flight at once
         return i * i
 
     b.register("sq", wait_for_everyone)
@@ -238,21 +248,17 @@ async def test_stream_limit_refuses_extra_calls_and_keeps_the_connection():
     server = await P2P.create(limits=Limits(max_streams=4))
     client = await P2P.create()
     release = asyncio.Event()
-    inside = 0
-    four_inside = asyncio.Event()
+    inside = Arrivals(4)
 
     async def block(request, ctx):
-        nonlocal inside
-        inside += 1
-        if inside == 4:
-            four_inside.set()
+        inside.arrive()
         await release.wait()
         return request
 
     server.register("block", block)
     try:
         held = [asyncio.create_task(client.call(server.address, "block", i)) for i in range(4)]
-        await four_inside.wait()
+        await inside.all_in.wait()
         with pytest.raises(ResourceExhausted, match="max_streams"):
             await client.call(server.address, "block", 99)
         release.set()

@@ -1,0 +1,290 @@
+"""Checks the orchestrator tests share, so that the AWS and GCP tests (and the local ones that run
+the same flow) say each thing once: a run store's rows, cluster YAML errors and warnings, the
+fleet policy driving a real provider with no workers behind it, and a run's end-to-end flow (a
+supervised run, a reclaim and its replacement, peers that agree, a clean release).
+
+Ray, the supervisor and the providers are imported where they are used: a module that imports
+this one needs only what its own tests use."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+from hypothesis import strategies as st
+
+from orchestrator.config import ClusterConfig, ConfigError, load_cluster_config
+
+if TYPE_CHECKING:
+    from orchestrator.policy import FleetPolicy
+    from orchestrator.supervisor import SupervisorCore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- the run store ---------------------------------------------------------------------------------
+def query(run_dir: Path, sql: str, *args: Any) -> list:
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def event_time(run_dir: Path, kind: str, instance_id: str) -> float:
+    rows = query(run_dir, "SELECT time FROM events WHERE kind = ? AND instance_id = ?", kind, instance_id)
+    assert rows, f"no {kind} event for {instance_id}"
+    return rows[0][0]
+
+
+# ---- cluster YAML ----------------------------------------------------------------------------------
+# any JSON value, for fuzzing what a section may hold
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                      max_size=3),
+                        max_leaves=15)
+
+
+def write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def load(path: Path) -> tuple[ClusterConfig, list[str]]:
+    """The config and the warnings its loading gave (collected, not logged)."""
+    warnings: list[str] = []
+    return load_cluster_config(path, warnings), warnings
+
+
+def errors_of(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_cluster_config(path, [])
+    return str(info.value).splitlines()
+
+
+def line_of(text: str, start: str) -> int:
+    """The number of the first line of ``text`` that starts (after its indent) with ``start``."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith(start))
+
+
+def check_any_node_config(tmp_path_factory: pytest.TempPathFactory, text: str, node_config: dict,
+                          head: bool) -> None:
+    """``text`` with node type w's node_config replaced (and w made the head, if asked) loads, or is a
+    ConfigError: every error line and every warning names the file, one line each."""
+    data = yaml.safe_load(text)
+    data["available_node_types"]["w"]["node_config"] = node_config
+    if head:
+        data["head_node_type"] = "w"
+    path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True))
+    warnings: list[str] = []
+    try:
+        load_cluster_config(path, warnings)
+    except ConfigError as e:
+        assert all(line.startswith(f"{path}:") for line in str(e).splitlines())
+    assert all(w.startswith(f"{path}:") and "\n" not in w for w in warnings)
+
+
+def validate_shipped(capsys: pytest.CaptureFixture, name: str, summary: str) -> ClusterConfig:
+    """``spotswarm validate`` on a shipped config: exit 0, its one-line summary, not a warning."""
+    from orchestrator.cli import main
+
+    path = ROOT / "cluster_configs" / name
+    assert main(["validate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == (f"{path}: valid ({summary})\n", "")
+    return load(path)[0]
+
+
+def shipped_yaml(tmp_path: Path, name: str, endpoint: str) -> Path:
+    """A shipped config as a file of this test's, pointed at a cloud stand-in and at ``tmp_path/runs``."""
+    data = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
+    data["provider"]["endpoint_url"] = endpoint
+    data["runs_dir"] = str(tmp_path / "runs")
+    return write(tmp_path, yaml.safe_dump(data), name)
+
+
+# ---- the fleet policy with no workers: tests about the cloud ---------------------------------------
+class RecordingWorkers:
+    """The policy's worker control with no workers behind it (these tests are about the cloud)."""
+
+    def place(self, instance, worker_args) -> str:
+        return f"peer-{instance.id}"
+
+    def notify(self, instance, deadline_s) -> None:
+        pass
+
+    def poll_left(self, instance_ids) -> list[str]:
+        return []
+
+    def stop(self, instance) -> None:
+        pass
+
+    def running(self, instance) -> dict | None:
+        return None
+
+
+def tick_until(policy: FleetPolicy, until: Callable[[FleetPolicy], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until(policy):
+        assert time.monotonic() < deadline, f"{what}: {policy.status_text}"
+        policy.tick()
+        time.sleep(0.05)  # the policy's own tick period, shortened; the calls run on its threads
+
+
+@contextmanager
+def fleet_policy(config: ClusterConfig, provider_cls: Callable, live: int = 0) -> Iterator[FleetPolicy]:
+    """The fleet policy driving the real provider (``provider_cls``) for a new run of ``config``, ticked
+    until ``live`` instances are live; after the test every instance is released."""
+    from orchestrator.policy import FleetPolicy
+    from orchestrator.run_store import RunStore
+
+    policy = FleetPolicy(config, provider_cls(config, time.time), time.time, RunStore.create(config),
+                         RecordingWorkers(), dict)
+    try:
+        if live:
+            tick_until(policy, lambda p: len(p.live) == live, "policy did not get there")
+        yield policy
+    finally:
+        policy.release_all()
+        policy.shutdown()
+
+
+def refusal_stops_the_run(policy: FleetPolicy, launches: Callable[[], int]) -> str:
+    """Ticks until a refusal (the credentials, their permissions) stops the run, which then holds no
+    instance and tries no launch (``launches`` counts them); the run's fatal message."""
+    tick_until(policy, lambda p: p.fatal is not None, "the refusal never stopped the run")
+    assert policy.live == {} and policy.launching == 0
+    asked = launches()
+    for _ in range(5):
+        policy.tick()
+    assert launches() == asked  # nothing more is tried
+    return policy.fatal
+
+
+# ---- a run end to end (Ray) ------------------------------------------------------------------------
+@contextmanager
+def supervised(config: ClusterConfig) -> Iterator[tuple[SupervisorCore, Path]]:
+    """A new run of ``config`` under a started supervisor, and its directory; stopped after, also
+    when the test fails."""
+    from orchestrator.run_store import RunStore
+    from orchestrator.supervisor import SupervisorCore
+
+    RunStore.create(config).close()
+    run_dir = config.run_dir()
+    core = SupervisorCore(config, run_dir)
+    core.start()
+    try:
+        yield core, run_dir
+    finally:
+        core.stop()
+
+
+def wait_for_workers(core: SupervisorCore, size: int, wait_for: Callable, timeout: float, what: str) -> None:
+    """Until ``size`` instances run a worker that has joined (it has a peer id)."""
+    wait_for(lambda: len([i for i in list(core.live.values()) if i.tags.get("peer_id")]) == size, timeout, what)
+
+
+def wait_for_epochs(core: SupervisorCore, epochs: int, wait_for: Callable, timeout: float,
+                    what: str = "training to go on") -> None:
+    """Until the run is ``epochs`` global epochs further than now."""
+    epoch_now = core.epoch
+    wait_for(lambda: core.epoch >= epoch_now + epochs, timeout, what)
+
+
+def wait_until_preempted(run_dir: Path, instance_id: str, wait_for: Callable, timeout: float, what: str) -> None:
+    wait_for(lambda: query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", instance_id) == [("preempted",)],
+             timeout, what)
+
+
+def wait_for_first_step(run_dir: Path, instance_id: str, wait_for: Callable, timeout: float) -> float:
+    """Until a (replacement) instance's worker has made its first averaged step; when it did."""
+    wait_for(lambda: query(run_dir, "SELECT 1 FROM events WHERE kind = 'first_step' AND instance_id = ?",
+                           instance_id), timeout, "the replacement's first averaged step")
+    return event_time(run_dir, "first_step", instance_id)
+
+
+def history(instance_id: str) -> dict[int, str]:
+    """A worker's parameter digest after each of its averaged epochs."""
+    import ray
+
+    from orchestrator.ray_workers import worker_actor_name
+
+    records = ray.get(ray.get_actor(worker_actor_name(instance_id)).history.remote(), timeout=60)
+    return {r["epoch"]: r["params"] for r in records}
+
+
+def assert_peers_agree(instance_ids: list[str], who: str = "the live peers") -> None:
+    """The peers share averaged epochs, and after each they held the same parameters."""
+    histories = {i: history(i) for i in instance_ids}
+    common = set.intersection(*(set(h) for h in histories.values()))
+    assert common, f"{who} share averaged epochs"
+    for epoch in sorted(common):
+        assert len({h[epoch] for h in histories.values()}) == 1, f"parameters differ after epoch {epoch}"
+
+
+@dataclasses.dataclass
+class Replacement:
+    """A reclaimed instance and the one that took its place."""
+
+    victim: str
+    machine: Any  # the victim's harness Machine: noticed_at, killed_at, zone, metadata
+    left_at: float  # the victim's graceful leave
+    instance_id: str  # the replacement
+    first_step: float  # the replacement's first averaged step
+    api_calls: int  # the cloud API's calls from just before the notice to that first step
+
+    def figures(self, taken_back: str) -> dict[str, float]:
+        """The replacement's cost in calls and its timings (``taken_back``: the cloud's word for it)."""
+        return {"api_calls_per_replacement": self.api_calls,
+                "notice_to_graceful_leave_s": round(self.left_at - self.machine.noticed_at, 2),
+                f"{taken_back}_to_replacement_first_step_s": round(self.first_step - self.machine.killed_at, 2),
+                "notice_to_replacement_first_step_s": round(self.first_step - self.machine.noticed_at, 2)}
+
+
+def reclaim_and_replace(core: SupervisorCore, run_dir: Path, harness, api_calls: list, wait_for: Callable,
+                        notice_s: float, *, recorded_s: float, replaced_s: float, first_step_s: float) -> Replacement:
+    """The cloud takes the fleet's first instance back ``notice_s`` after its notice: it is recorded as
+    preempted, its own metadata watcher saw the notice, it left gracefully before the kill, and a new
+    instance (running, the victim's machine off) made its first averaged step.  ``api_calls`` is the
+    stand-in's list of calls."""
+    fleet = set(core.live)
+    victim = sorted(fleet)[0]
+    calls_before = len(api_calls)
+    machine = harness.preempt(victim, notice_s)
+    wait_until_preempted(run_dir, victim, wait_for, recorded_s, "the reclaimed instance to be recorded as preempted")
+    notice = json.loads(query(run_dir, "SELECT detail FROM events WHERE kind = 'notice' AND instance_id = ?",
+                              victim)[0][0])
+    assert notice["source"] == "instance"  # its own metadata watcher saw it, not the supervisor
+    left_at = event_time(run_dir, "left", victim)
+    assert machine.noticed_at < left_at < machine.killed_at  # the graceful leave came before the kill
+
+    found: list[str] = []
+
+    def replaced() -> bool:
+        found[:] = sorted(set(core.live) - fleet)
+        return bool(found)
+
+    wait_for(replaced, replaced_s, "a replacement instance")
+    replacement = found[0]
+    first_step = wait_for_first_step(run_dir, replacement, wait_for, first_step_s)
+    calls = len(api_calls) - calls_before
+    assert replacement in harness.alive() and victim not in harness.alive()
+    return Replacement(victim, machine, left_at, replacement, first_step, calls)
+
+
+def assert_released(run_dir: Path, harness, wait_for: Callable) -> None:
+    """After the run: every instance ended in the cloud, so the harness cut its power; none is open in
+    the run store, and the harness met no error."""
+    wait_for(lambda: harness.alive() == [], 60, "every instance's node to stop")
+    assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE ended_at IS NULL") == [(0,)]
+    assert harness.errors == []
