@@ -21,6 +21,12 @@ samples_per_second, peers, params digest, time); all figures come from those fil
   one computed per second (the worker's own samples_per_second), which also counts samples beyond
   the target batch and samples thrown away by a peer that fell behind.
 
+Micro-step overhead (``_microstep.py``, one process, two peers on loopback, the charlm model): the
+median time of ``CollaborativeOptimizer.step`` on a micro-step (no global step due) against what a
+local loop over the wrapped torch optimizer does instead (adding the gradients into accumulators);
+the difference is the overhead.  Also the time of one blocking DHT read of the swarm's progress,
+what a micro-step would pay if it looked the progress up.
+
 ``--vs-hivemind``: the same 4-peer run with ``hivemind.Optimizer`` (``_training_hivemind_peer.py``,
 run by ``.bench-venv/bin/python`` from ``make bench-env``; the task is re-implemented there).
 hivemind peers start alone (each races through epochs of its own until their progress trackers
@@ -61,19 +67,22 @@ from _common import (
     ChildFailed,
     exit_on_sigterm,
     fmt,
+    guarded,
     kill_all,
     median,
     print_json,
     print_table,
     process_tree,
     rounded,
+    run_for_json,
     stop_all,
 )
 
 HIVEMIND_PEER = os.path.join(HERE, "_training_hivemind_peer.py")
 TARGET_BATCH = 128
 TASK = "synthetic"
-QUICK_TOTAL_S = 48.0  # the runs' budgets in --quick (start-up, training, leaving; not the final kills)
+MICROSTEP = os.path.join(HERE, "_microstep.py")
+QUICK_TOTAL_S = 44.0  # the runs' budgets in --quick (start-up, training, leaving; not the final kills)
 
 
 # ---- child processes ---------------------------------------------------------------------------
@@ -392,6 +401,7 @@ class Runs:
     ours: dict[int, RunResult] = field(default_factory=dict)
     hm: RunResult | None = None
     hivemind_note: str | None = None
+    microstep: dict = field(default_factory=dict)
 
 
 def parse_args() -> argparse.Namespace:
@@ -436,7 +446,14 @@ def run_all(args: argparse.Namespace, hm_opts: dict, t_all: float) -> Runs:
                 runs.hm = run_swarm("hivemind", 4, *hm_plan, tmp, hm_opts)
         finally:
             kill_all()
+    runs.microstep = guarded("microstep", microstep_figures, 500 if args.quick else 5000)
     return runs
+
+
+def microstep_figures(steps: int) -> dict:
+    """A micro-step's cost over plain gradient accumulation (``_microstep.py``, bounded)."""
+    return run_for_json("microstep", [sys.executable, MICROSTEP, "--steps", str(steps)], 60.0,
+                        env=ONE_THREAD_ENV)
 
 
 def print_report(args: argparse.Namespace, runs: Runs, hm_opts: dict, wall: float) -> None:
@@ -460,6 +477,10 @@ def print_report(args: argparse.Namespace, runs: Runs, hm_opts: dict, wall: floa
     print_table(["<36", ">10"], ["figure", "value", "target"], [
         ("epoch s, 4 peers (median)", fmt(r4.median_s), "<= 1.5 (hivemind reference ~7.5)"),
         ("params identical across 4 peers", "yes" if r4.digests_ok else "NO", "yes"),
+        ("micro-step overhead us (median)", fmt(runs.microstep.get("overhead_us_p50"), ".1f"), "<= 50"),
+        ("  micro-step us / accumulate us", f"{fmt(runs.microstep.get('step_us_p50'), '.1f')} / "
+                                            f"{fmt(runs.microstep.get('accumulate_us_p50'), '.1f')}"),
+        ("  a DHT progress read us (avoided)", fmt(runs.microstep.get("dht_read_us_p50"), ".1f")),
         *((f"samples/s, {n} peer(s)", fmt(ours[n].samples_per_s, ".1f")) for n in (1, 2, 4)),
         ("wall s", f"{wall:.1f}")])
 
@@ -475,7 +496,12 @@ def figures_of(args: argparse.Namespace, runs: Runs, wall: float) -> dict:
         "epochs_measured_4peers": len(r4.intervals),
         "full_groups_4peers": f"{r4.full_groups}/{len(r4.intervals)}",
         "epoch_s_4peers_synced": median(r4.synced_intervals),
+        "microstep_overhead_us": runs.microstep.get("overhead_us_p50"),
+        "microstep_us": runs.microstep.get("step_us_p50"),
+        "microstep_dht_read_us": runs.microstep.get("dht_read_us_p50"),
     }
+    if "microstep_error" in runs.microstep:
+        figures["microstep_error"] = runs.microstep["microstep_error"]
     if args.vs_hivemind:
         figures["hivemind_epoch_s_4peers"] = hm.median_s if hm is not None else None
         figures["hivemind_epoch_s_4peers_mean"] = hm.mean_s if hm is not None else None

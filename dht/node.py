@@ -145,7 +145,7 @@ class DHTNode:
             await node.shutdown()
             raise
         if node.refresh_period > 0:
-            node._spawn(node._refresh_loop())
+            node.spawn(node._refresh_loop())
         return node
 
     # ---- identity ------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ class DHTNode:
                 for r in records:
                     self.storage.store(kid, r.key, r.subkey, r.value, r.expiration_time)
             else:
-                self._spawn(self._call_store(target, records))
+                self.spawn(self._call_store(target, records))
 
     # ---- outgoing RPCs -------------------------------------------------------------------------
     async def _call_find(self, contact: Contact, targets: list[int],
@@ -503,7 +503,7 @@ class DHTNode:
         stale = self.routing.add_or_update(contact)
         if stale is not None and stale.node_id not in self._pinging and not self._closed:
             self._pinging.add(stale.node_id)
-            self._spawn(self._check_stale(stale, contact))
+            self.spawn(self._check_stale(stale, contact))
 
     async def _check_stale(self, stale: Contact, newcomer: Contact) -> None:
         """Kademlia's rule: keep a full bucket's oldest contact if it still answers, else admit the newcomer."""
@@ -538,7 +538,8 @@ class DHTNode:
                 target = random.randrange(bucket.lower, bucket.upper)
                 await self._traverse([self._new_search(target, None, self.bucket_size, False)], want_values=False)
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
+        """Background work that lives as long as this node: cancelled and awaited at its shutdown."""
         if self._closed:
             coro.close()
             return

@@ -104,6 +104,7 @@ class CollaborativeOptimizer:
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
                                              allreduce_timeout=averaging_timeout, compression=compression)
             tracker = ProgressTracker(node, run, target_batch_size, signer)
+            tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock)
             return averager, tracker, sharer
 
@@ -111,8 +112,8 @@ class CollaborativeOptimizer:
         self.grad_buffers = self.averager.tensors  # views into the averager's flat buffer
         if load_state_on_start:
             self._load_state_if_any()
-        self._report(force=True)
-        self._advertise()
+        self._report(force=True, wait=True)  # the others count us from the first step on
+        self._advertise(wait=True)
 
     # ---- the training loop's entry point -------------------------------------------------------
     def step(self, batch_size: int, loss: float | None = None) -> bool:
@@ -124,7 +125,7 @@ class CollaborativeOptimizer:
         self._report()
         self.keep_alive()
         self._reconnect_if_isolated()
-        progress: GlobalProgress = self._call(lambda n: self.tracker.global_progress())
+        progress: GlobalProgress = self.tracker.view()  # no network on a micro-step: kept fresh in the background
         # standing still during the calls above (their requests timed out meanwhile) leaves a view
         # as stale as one from before a pause: the others would look dead
         away = away or self._was_away()
@@ -317,14 +318,18 @@ class CollaborativeOptimizer:
         self._report(force=True)
 
     # ---- DHT records ---------------------------------------------------------------------------
-    def _report(self, force: bool = False) -> None:
+    def _report(self, force: bool = False, wait: bool = False) -> None:
+        """Publish our progress: handed to the tracker's background view, or stored before returning."""
         now = time.monotonic()
         if not force and now - self._last_report < self.report_interval:
             return
         self._last_report = now
         progress = PeerProgress(epoch=self.epoch, samples=self.local_samples, samples_per_second=self._throughput,
                                 time=time.time(), client_mode=self.dht.node.client_mode, loss=self.last_loss)
-        self._call(lambda n: self.tracker.report(progress))
+        if wait:
+            self._call(lambda n: self.tracker.report(progress))
+        else:
+            self.tracker.publish(progress)
 
     def keep_alive(self) -> None:
         """Refresh our DHT records well before they expire (also for callers that are not stepping)."""
@@ -334,9 +339,14 @@ class CollaborativeOptimizer:
         if now - self._last_advert > self.advert_expiration / 3:
             self._advertise()
 
-    def _advertise(self) -> None:
+    def _advertise(self, wait: bool = False) -> None:
         self._last_advert = time.monotonic()
-        self._call(lambda n: self.state.advertise(self.epoch, self.advert_expiration))
+        epoch = self.epoch
+        if wait:
+            self._call(lambda n: self.state.advertise(epoch, self.advert_expiration))
+        else:
+            node = self.dht.node  # the node owns the advert's task: it ends with the node at the latest
+            self.dht.loop.call_soon_threadsafe(lambda: node.spawn(self.state.advertise(epoch, self.advert_expiration)))
 
     def _call(self, fn: Any) -> Any:
         return self.dht.run_coroutine(fn)

@@ -4,16 +4,26 @@ Each peer publishes ``{epoch, samples, samples_per_second, time, client_mode}`` 
 of ``<run>.progress``; everyone reads all of them.  The global epoch is the largest any live peer
 reports; the samples accumulated toward it are summed over the peers at that epoch, extrapolated
 by their throughput since they reported, each peer's share capped at the global batch.
+
+A training step must not wait on the network: ``start_view`` keeps a view of the swarm fresh in the
+background (our own reports published, everyone's read back every ``refresh_interval``, at once
+after ``publish``, and when the view expects the global batch complete), and ``view`` answers from
+it without a DHT call.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import pydantic
 
 from dht import DHTNode, SignatureValidator
+
+logger = logging.getLogger(__name__)
 
 
 class PeerProgress(pydantic.BaseModel):
@@ -44,7 +54,7 @@ class GlobalProgress:
 
 class ProgressTracker:
     def __init__(self, node: DHTNode, run: str, target_batch_size: int, signer: SignatureValidator,
-                 expiration: float = 30.0, fresh_for: float = 5.0) -> None:
+                 expiration: float = 30.0, fresh_for: float = 5.0, refresh_interval: float = 0.1) -> None:
         self.node = node
         self.key = f"{run}.progress"
         self.target = target_batch_size
@@ -52,6 +62,12 @@ class ProgressTracker:
         self.expiration = expiration
         self.fresh_for = fresh_for  # a record older than this may be a dead peer's: not worth waiting for
         self.last_report: PeerProgress | None = None
+        self.refresh_interval = refresh_interval
+        self._seen: dict[str, PeerProgress] = {}  # the background view's last read of everyone's records
+        self._unpublished: PeerProgress | None = None
+        self._handing = threading.Lock()  # publish (any thread) and the view (the loop) trade _unpublished
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def report(self, progress: PeerProgress) -> None:
         self.last_report = progress
@@ -75,7 +91,46 @@ class ProgressTracker:
         return out
 
     async def global_progress(self) -> GlobalProgress:
-        peers = await self.peers()
+        """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
+        return self._summarize(await self.peers())
+
+    def view(self) -> GlobalProgress:
+        """The swarm's progress from the background view, extrapolated to now: no network."""
+        return self._summarize(dict(self._seen))
+
+    # ---- the background view -------------------------------------------------------------------
+    def start_view(self) -> None:
+        """Keep the view fresh from now on, on the node's loop (call there); ends with the node."""
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self.node.spawn(self._keep_view())
+
+    def publish(self, progress: PeerProgress) -> None:
+        """Our report, from any thread, without waiting: the view counts it at once, the DHT soon."""
+        with self._handing:
+            self.last_report = self._unpublished = progress
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _keep_view(self) -> None:
+        assert self._wake is not None
+        while True:
+            eta = self.view().eta  # read again when the view expects the batch complete, not an interval later
+            try:
+                await asyncio.wait_for(self._wake.wait(), min(self.refresh_interval, eta) if eta > 0 else
+                                       self.refresh_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            with self._handing:
+                progress, self._unpublished = self._unpublished, None
+            try:
+                if progress is not None:
+                    await self.report(progress)
+                self._seen = await self.peers()
+            except Exception as e:  # the DHT's own errors: the view stays as it was until the next read
+                logger.debug("progress view not refreshed: %s: %s", type(e).__name__, e)
+
+    def _summarize(self, peers: dict[str, PeerProgress]) -> GlobalProgress:
         if self.last_report is not None:
             peers[self.subkey] = self.last_report  # our own latest, even if the DHT is behind
         if not peers:
