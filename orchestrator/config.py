@@ -6,7 +6,6 @@ expected; unknown keys are errors with a did-you-mean, so a typo never silently 
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import logging
 import re
@@ -19,7 +18,7 @@ import pydantic
 
 from workers.peer import WorkerConfig
 
-from .config_loader import ConfigError, Loc, ModelFlags, at, describe, read_yaml
+from .config_loader import ConfigError, Loc, ModelFlags, at, describe, did_you_mean, read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -526,9 +525,8 @@ def _without_ray_keys(section: Any, kind: str, where: Loc, model: type[pydantic.
         if not (isinstance(key, str) and key in known):
             kept[key] = value
             continue
-        hint = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.8)  # namespace(s)
         found.append((where + (key,), f"Ray's cluster launcher key, not used by spotswarm: {known[key]}"
-                      + (f" (did you mean {hint[0]!r}?)" if hint else "")))
+                      + did_you_mean(key, model.model_fields, cutoff=0.8)))  # namespace -> namespaces
     return kept
 
 

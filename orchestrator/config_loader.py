@@ -8,7 +8,7 @@ import argparse
 import difflib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
@@ -94,14 +94,25 @@ def _known_fields(model: type[pydantic.BaseModel], loc: Loc) -> list[str]:
     return list(current.model_fields) if isinstance(current, type) and issubclass(current, pydantic.BaseModel) else []
 
 
+def did_you_mean(word: Any, choices: Iterable[str], *, fold: bool = False, cutoff: float = 0.6) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word``, else ``""``: every unknown key and
+    value in a config says it the same way.  ``fold``: case and underscores do not count
+    (``instance_type`` finds ``InstanceType``)."""
+    def key(text: str) -> str:
+        return text.replace("_", "").casefold() if fold else text
+
+    options = {key(c): c for c in choices}
+    hint = difflib.get_close_matches(key(str(word)), list(options), n=1, cutoff=cutoff)
+    return f"; did you mean {options[hint[0]]!r}?" if hint else ""
+
+
 def describe(err: Any, model: type[pydantic.BaseModel], lines: Mapping[Loc, int], source: str | None,
              flags: Mapping[str, str] | None = None) -> str:
     """One pydantic error as one line: at its flag when ``flags`` (field -> flag) gave the field,
     else at its line in ``source``."""
     loc = tuple(err["loc"])
     if err["type"] == "extra_forbidden":
-        hint = difflib.get_close_matches(str(loc[-1]), _known_fields(model, loc), n=1)
-        message = "unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
+        message = "unknown key" + did_you_mean(loc[-1], _known_fields(model, loc))
     elif err["type"] == "missing":
         message = "required field is missing"
     else:

@@ -1,10 +1,10 @@
 """Node providers: where instances come from. ``local`` simulates a spot market on this machine;
 ``aws`` launches EC2 spot instances, ``gcp`` GCE Spot VMs. One file per provider."""
 
-import difflib
 import importlib.util
 from pathlib import Path
 
+from ..config_loader import did_you_mean
 from .base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
 
 __all__ = ["Instance", "LaunchSpec", "NodeProvider", "PreemptionNotice", "make_provider"]
@@ -67,11 +67,9 @@ def node_config_problems(provider_type: str, node_type: str, node_config: dict
     problems: list[tuple[str | tuple[str | int, ...], str]] = []
     for key, value in node_config.items():
         if key not in _LOCAL_NODE_CONFIG_KEYS:
-            folded = {k.casefold(): k for k in _LOCAL_NODE_CONFIG_KEYS}  # instance_type -> InstanceType too
-            hint = difflib.get_close_matches(str(key).replace("_", "").casefold(), list(folded), n=1)
+            hint = did_you_mean(key, _LOCAL_NODE_CONFIG_KEYS, fold=True)  # instance_type -> InstanceType too
             problems.append((key, "unknown key for the local provider" + (
-                f"; did you mean {folded[hint[0]]!r}?" if hint
-                else f" (it reads only {', '.join(_LOCAL_NODE_CONFIG_KEYS)})")))
+                hint or f" (it reads only {', '.join(_LOCAL_NODE_CONFIG_KEYS)})")))
         elif not isinstance(value, str):
             problems.append((key, f"must be a string, a label for node type {node_type!r} (got {value!r})"))
     return problems

@@ -7,10 +7,11 @@ itself sends requests with.  Each problem is (key path inside ``node_config``, m
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 from typing import Any
+
+from ..config_loader import did_you_mean
 
 # Keys of RunInstances that spotswarm sets itself, or that would break every launch, and why.
 RESERVED_KEYS = {
@@ -81,10 +82,8 @@ def _botocore_problems(key: str, value: Any) -> list[tuple[Path, str]]:
 
 def _unknown_key(key: str, members: list[str]) -> str:
     """An unknown key, with the RunInstances member it most likely means."""
-    folded = {m.casefold(): m for m in [*members, SUBNET_IDS]}  # instance_type -> InstanceType too
-    hint = difflib.get_close_matches(key.replace("_", "").casefold(), list(folded), n=1)
-    return "unknown key for the aws provider (not a parameter of EC2 RunInstances)" + (
-        f"; did you mean {folded[hint[0]]!r}?" if hint else "")
+    return "unknown key for the aws provider (not a parameter of EC2 RunInstances)" + did_you_mean(
+        key, [*members, SUBNET_IDS], fold=True)
 
 
 def _subnet_ids_problems(node_config: dict) -> list[tuple[Path, str]]:

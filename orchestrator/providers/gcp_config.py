@@ -10,11 +10,11 @@ checks that need the whole config (project, zones, image, spot) are ``gcp_config
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 from typing import TYPE_CHECKING, Any
 
+from ..config_loader import did_you_mean
 from .base import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG
 
 if TYPE_CHECKING:
@@ -102,9 +102,8 @@ def _parse_problem(key: str, error: Exception) -> tuple[Path, str]:
     unknown = re.search(r'Message type "[\w.]*?(\w+)" has no field named "(.*?)"', first)
     if unknown:
         available = re.findall(r"'(\w+)'", text.split("Available Fields", 1)[-1])
-        hint = difflib.get_close_matches(unknown.group(2), available, n=1)
         return path + (unknown.group(2),), (f"unknown key (not a field of Compute Engine's {unknown.group(1)})"
-                                            + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                                            + did_you_mean(unknown.group(2), available))
     message = re.sub(r"^(Failed to parse \w+ field: )+", "", first)
     message = re.sub(r' at "?Instance\.[^"\s]*"?\.?$', "", message).rstrip(".")
     return path, message
@@ -130,9 +129,8 @@ def _enum_problems(message: Any, path: Path) -> list[tuple[Path, str]]:
             continue
         allowed = [m for m in enum.__members__ if not m.startswith("UNDEFINED_")]
         if value not in allowed:
-            hint = difflib.get_close_matches(str(value).upper(), allowed, n=1)
-            out.append((at, f"{value!r} is not one of {', '.join(allowed)}" + (f"; did you mean {hint[0]!r}?"
-                                                                            if hint else "")))
+            out.append((at, f"{value!r} is not one of {', '.join(allowed)}" + did_you_mean(str(value).upper(),
+                                                                                            allowed)))
     return out
 
 
@@ -141,10 +139,8 @@ def _unknown_key(key: str) -> str:
     if key in fields.values():  # machine_type: the API takes it, but Ray's YAML and spotswarm read camelCase
         camel = next(j for j, p in fields.items() if p == key)
         return f"write it {camel!r} (camelCase, as in Ray's GCP YAML and GCE's REST API)"
-    folded = {j.casefold(): j for j in fields}
-    hint = difflib.get_close_matches(key.replace("_", "").casefold(), list(folded), n=1)
-    return "unknown key for the gcp provider (not a field of Compute Engine's Instance)" + (
-        f"; did you mean {folded[hint[0]]!r}?" if hint else "")
+    return "unknown key for the gcp provider (not a field of Compute Engine's Instance)" + did_you_mean(
+        key, fields, fold=True)
 
 
 def _zonal_name_problems(config: dict) -> list[tuple[Path, str]]:

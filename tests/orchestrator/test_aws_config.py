@@ -143,7 +143,7 @@ def test_without_a_list_the_warnings_are_logged(tmp_path, caplog):
 
 def test_a_ray_key_close_to_ours_says_which_one_we_read(tmp_path):
     path = with_provider(tmp_path, "  namespace: n\n")
-    assert load(path)[1] == [f"{path}:5: provider.namespace: {UNUSED}ignored (did you mean 'namespaces'?)"]
+    assert load(path)[1] == [f"{path}:5: provider.namespace: {UNUSED}ignored; did you mean 'namespaces'?"]
 
 
 def test_rays_gcp_project_id_is_the_gcp_providers_and_ignored_here(tmp_path):
