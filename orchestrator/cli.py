@@ -77,7 +77,7 @@ def validate(path: str, warnings: list[str] | None = None) -> tuple[bool, str]:
     """Check a cluster YAML as ``up`` would, starting nothing (no Ray, no run directory): whether
     it is valid, and the summary line or every problem.  Warnings go to ``warnings`` if given
     (else to the log); they do not make the file invalid."""
-    from .config import ConfigError, load_cluster_config
+    from .config_checks import ConfigError, load_cluster_config
 
     try:
         config = load_cluster_config(path, warnings)
@@ -99,7 +99,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _bootstrap_script(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_cluster_config
+    from .config_checks import ConfigError, load_cluster_config
 
     try:
         config = load_cluster_config(args.config)

@@ -22,7 +22,8 @@ from rich.live import Live
 from rich.table import Table
 
 from . import figures
-from .config import ClusterConfig, load_cluster_config
+from .config import ClusterConfig
+from .config_checks import load_cluster_config
 from .figures import PID_FILE
 from .run_store import RunStore
 

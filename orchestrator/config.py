@@ -18,7 +18,8 @@ import pydantic
 
 from workers.peer import WorkerConfig
 
-from .config_loader import ConfigError, Loc, ModelFlags, at, describe, did_you_mean, read_yaml
+from .config_loader import ConfigError as ConfigError  # raised for this module's configs by config_checks
+from .config_loader import Loc, ModelFlags, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -366,32 +367,6 @@ class ClusterConfig(_Strict):
                             param_digests=t.param_digests, **extra)
 
 
-def _node_config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    from .providers import node_config_problems
-
-    return [(("available_node_types", name, "node_config", *(key if isinstance(key, tuple) else (key,))), message)
-            for name, node_type in config.available_node_types.items()
-            for key, message in node_config_problems(config.provider.type, name, node_type.node_config)]
-
-
-def _market_type(node_type: NodeType) -> str | None:
-    """``node_config.InstanceMarketOptions.MarketType`` (aws), when given."""
-    options = node_type.node_config.get("InstanceMarketOptions")
-    market = options.get("MarketType") if isinstance(options, dict) else None
-    return market if isinstance(market, str) else None
-
-
-def _aws_image_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    """Every node type spotswarm launches needs an AMI: its own ImageId or provider.image."""
-    if config.provider.image is not None:
-        return []
-    return [(("available_node_types", name, "node_config"),
-             f"node type {name!r} has no ImageId: set node_config.ImageId or provider.image (the AMI its "
-             "instances boot)")
-            for name, nt in config.fleet_types().items()
-            if "ImageId" not in nt.node_config]
-
-
 def spot_said_twice(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,
                     spot_is: str, other_is: str) -> list[tuple[Loc, str]]:
     """Spot is said one way: the provider's own node_config ``key`` (Ray's) or spot (ours); a
@@ -411,27 +386,6 @@ def spot_said_twice(config: ClusterConfig, market_of: Callable[[NodeType], str |
     return out
 
 
-def _aws_spot_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    return spot_said_twice(config, _market_type, "InstanceMarketOptions", "MarketType spot", "MarketType {market}")
-
-
-def config_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    """What is allowed but worth a word, as (key path, message): spot said twice, a spot head, a
-    gcp project for another provider."""
-    if config.provider.type == "gcp":
-        from .providers.gcp_config import gcp_config_warnings
-
-        return gcp_config_warnings(config)
-    given = [k for k in ("project_id", "project") if k in config.provider.model_fields_set]
-    out: list[tuple[Loc, str]] = [(("provider", key), f"read by the gcp provider only (the GCP project); ignored "
-                                                      f"for provider {config.provider.type!r}")
-                                  for key in given[:1]]  # project_id sets project too: one warning
-    if config.provider.type != "aws":
-        return out
-    return out + spot_said_alike(config, _market_type, "InstanceMarketOptions",
-                                 "InstanceMarketOptions wins: it is sent to EC2 as given")
-
-
 def spot_said_alike(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,
                     twice: str) -> list[tuple[Loc, str]]:
     """Warnings where the provider's node_config ``key`` asks for spot: on the head, or with spot: true too."""
@@ -445,34 +399,6 @@ def spot_said_alike(config: ClusterConfig, market_of: Callable[[NodeType], str |
                         "(spotswarm does not launch it: it is where the supervisor runs)"))
         elif "spot" in nt.model_fields_set and nt.spot:
             out.append((at + ("spot",), f"true and node_config.{key} say the same (spot); {twice}"))
-    return out
-
-
-def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
-    """What the schema alone cannot judge, as (key path, message): whether this build can run the
-    provider, the provider's own ``node_config`` keys, and limits that span sections.  Kept out of
-    the model so that configs for providers still to come can be built and inspected."""
-    from .providers import provider_problem
-
-    out: list[tuple[Loc, str]] = []
-    problem = provider_problem(config.provider.type)
-    if problem is not None:
-        out.append((("provider", "type"), problem))
-    out.extend(_node_config_problems(config))
-    if config.provider.type == "aws":
-        out.extend(_aws_image_problems(config))
-        out.extend(_aws_spot_problems(config))
-    if config.provider.type == "gcp":
-        from .providers.gcp_config import gcp_config_problems
-
-        out.extend(gcp_config_problems(config))
-    fleet = config.max_instances()
-    if config.training.averaging == "collaborative" and fleet > config.training.group_size:
-        # a run larger than group_size is refused: two groups in one epoch would step to different parameters
-        out.append((("training", "group_size"),
-                    f"{config.training.group_size} is less than the fleet's largest size, {fleet} instances (the "
-                    "sum of max_workers): collaborative averaging needs every live peer in one group; raise "
-                    "group_size or use averaging: moshpit"))
     return out
 
 
@@ -543,47 +469,3 @@ def strip_ray_launcher_keys(data: dict) -> tuple[dict, list[tuple[Loc, str]]]:
             name: _without_ray_keys(nt, "available_node_types.*", ("available_node_types", name), NodeType, found)
             for name, nt in types.items()}
     return data, found
-
-
-def _warn(messages: list[str], warnings: list[str] | None) -> None:
-    """Hand warnings to the caller's list, or to the log when the caller gave none."""
-    if warnings is not None:
-        warnings.extend(messages)
-    else:
-        for message in messages:
-            logger.warning(message)
-
-
-def load_cluster_config(path: str | Path, warnings: list[str] | None = None) -> ClusterConfig:
-    """Read, validate and check a cluster YAML; every problem, with its line, in one ConfigError.
-
-    Warnings (a Ray launcher key spotswarm does not use, spot said twice) are ``file:line: key:
-    message`` strings too: appended to ``warnings`` when given, else logged; given even when the
-    file also has errors."""
-    data, lines = read_yaml(path, "a cluster config must be a mapping of sections")
-    source = str(path)
-    data, ray_keys = strip_ray_launcher_keys(data)
-    _warn([at(loc, message, lines, source) for loc, message in
-           sorted(ray_keys, key=lambda item: lines.get(item[0], 0))], warnings)
-    try:
-        config = ClusterConfig.model_validate(data)
-    except pydantic.ValidationError as e:
-        errors = e.errors()
-        problems = [describe(err, ClusterConfig, lines, source) for err in errors]
-        # a provider this build cannot run is worth knowing even while other keys are wrong
-        provider = data.get("provider", {})
-        kind = provider.get("type", "local") if isinstance(provider, dict) else None
-        if isinstance(kind, str) and not any(tuple(err["loc"]) == ("provider", "type") for err in errors):
-            from .providers import provider_problem
-
-            problem = provider_problem(kind)
-            if problem is not None:
-                problems.insert(0, at(("provider", "type"), problem, lines, source))
-        raise ConfigError("\n".join(problems)) from None
-    except RecursionError:  # a YAML alias that contains itself
-        raise ConfigError(f"{path}: a value refers to itself (a recursive YAML alias)") from None
-    _warn([at(loc, message, lines, source) for loc, message in config_warnings(config)], warnings)
-    problems = [at(loc, message, lines, source) for loc, message in config_problems(config)]
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return config

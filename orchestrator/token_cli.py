@@ -16,7 +16,7 @@ from pathlib import Path
 
 def _run_dir(target: str) -> tuple[Path, str]:
     """The run directory and run name of RUN (a run directory, or the run's cluster YAML)."""
-    from .config import load_cluster_config
+    from .config_checks import load_cluster_config
     from .run_store import RunStore
 
     path = Path(target)

@@ -11,6 +11,7 @@ import functools
 import re
 from typing import Any
 
+from ..config import ClusterConfig, NodeType, spot_said_alike, spot_said_twice
 from ..config_loader import did_you_mean
 
 # Keys of RunInstances that spotswarm sets itself, or that would break every launch, and why.
@@ -122,3 +123,34 @@ def aws_node_config_problems(node_config: dict) -> list[tuple[Path, str]]:
             if key == "Placement":
                 out.extend(_placement_problems(value))
     return out
+
+
+# ---- checks that span sections of an aws cluster config ----------------------------------------
+def market_type(node_type: NodeType) -> str | None:
+    """``node_config.InstanceMarketOptions.MarketType`` (aws), when given."""
+    options = node_type.node_config.get("InstanceMarketOptions")
+    market = options.get("MarketType") if isinstance(options, dict) else None
+    return market if isinstance(market, str) else None
+
+
+def _image_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
+    """Every node type spotswarm launches needs an AMI: its own ImageId or provider.image."""
+    if config.provider.image is not None:
+        return []
+    return [(("available_node_types", name, "node_config"),
+             f"node type {name!r} has no ImageId: set node_config.ImageId or provider.image (the AMI its "
+             "instances boot)")
+            for name, nt in config.fleet_types().items()
+            if "ImageId" not in nt.node_config]
+
+
+def aws_config_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
+    """The aws checks that span sections: every launched type's AMI, spot said one way."""
+    return _image_problems(config) + spot_said_twice(config, market_type, "InstanceMarketOptions",
+                                                     "MarketType spot", "MarketType {market}")
+
+
+def aws_config_warnings(config: ClusterConfig) -> list[tuple[Path, str]]:
+    """Allowed but worth a word: a spot head, spot said twice."""
+    return spot_said_alike(config, market_type, "InstanceMarketOptions",
+                           "InstanceMarketOptions wins: it is sent to EC2 as given")

@@ -14,6 +14,7 @@ import functools
 import re
 from typing import TYPE_CHECKING, Any
 
+from ..config import spot_said_alike, spot_said_twice
 from ..config_loader import did_you_mean
 from .base import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG
 
@@ -272,8 +273,6 @@ def _fleet_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
 
 
 def _spot_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
-    from ..config import spot_said_twice  # config.py imports this module when it checks a gcp config
-
     return spot_said_twice(config, lambda nt: scheduling_market(nt.node_config), "scheduling",
                            "provisioningModel SPOT or preemptible", "provisioningModel STANDARD")
 
@@ -285,6 +284,4 @@ def gcp_config_problems(config: ClusterConfig) -> list[tuple[Path, str]]:
 
 def gcp_config_warnings(config: ClusterConfig) -> list[tuple[Path, str]]:
     """Allowed but worth a word: a spot head, spot said twice."""
-    from ..config import spot_said_alike  # config.py imports this module when it checks a gcp config
-
     return spot_said_alike(config, lambda nt: scheduling_market(nt.node_config), "scheduling", "one is enough")

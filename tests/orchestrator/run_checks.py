@@ -21,7 +21,8 @@ import pytest
 import yaml
 from hypothesis import strategies as st
 
-from orchestrator.config import ClusterConfig, ConfigError, load_cluster_config
+from orchestrator.config import ClusterConfig, ConfigError
+from orchestrator.config_checks import load_cluster_config
 
 if TYPE_CHECKING:
     from orchestrator.policy import FleetPolicy

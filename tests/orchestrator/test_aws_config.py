@@ -18,8 +18,8 @@ from orchestrator.config import (
     ConfigError,
     NodeType,
     ProviderConfig,
-    load_cluster_config,
 )
+from orchestrator.config_checks import load_cluster_config
 from tests.orchestrator.run_checks import (
     ANY_JSON,
     check_any_node_config,
@@ -136,7 +136,7 @@ def test_a_ray_launcher_yaml_loads_with_one_warning_per_unused_key(tmp_path):
 
 def test_without_a_list_the_warnings_are_logged(tmp_path, caplog):
     path = write(tmp_path, AWS + "auth: {ssh_user: ubuntu}\n")
-    with caplog.at_level(logging.WARNING, logger="orchestrator.config"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.config_checks"):
         load_cluster_config(path)
     assert [r.getMessage() for r in caplog.records] == [f"{path}:12: auth: {SSH}"]
 

@@ -11,7 +11,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import ClusterConfig, ConfigError, load_cluster_config
+from orchestrator.config import ClusterConfig, ConfigError
+from orchestrator.config_checks import load_cluster_config
 from tests.orchestrator.run_checks import errors_of, write
 
 pytestmark = pytest.mark.timeout(300)

@@ -181,7 +181,7 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, gce_api, capsy
 
 def test_down_deletes_every_instance_labelled_with_the_run(tmp_path, gce_api, capsys):
     path = shipped_yaml(tmp_path, "gcp-spot.yaml", gce_api.url)
-    from orchestrator.config import load_cluster_config
+    from orchestrator.config_checks import load_cluster_config
 
     config = load_cluster_config(path)
     provider = GcpProvider(config, time.time)
