@@ -46,6 +46,30 @@ def _line_map(node: yaml.Node, path: Loc = (), out: dict | None = None, seen: se
     return out
 
 
+MAX_EXPANDED_VALUES = 100_000  # a cluster YAML holds hundreds; aliases repeated within aliases hold billions
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int], open_: set[int]) -> int:
+    """How many values the document holds once every alias is read as a copy (what pydantic and the
+    providers' checks walk); raises ValueError for an alias inside itself or past the limit."""
+    if id(node) in memo:
+        return memo[id(node)]
+    if id(node) in open_:
+        raise ValueError("a value refers to itself (a recursive YAML alias)")
+    open_.add(id(node))
+    children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else
+                node.value if isinstance(node, yaml.SequenceNode) else [])
+    size = 1
+    for child in children:
+        size += _expanded_size(child, memo, open_)
+        if size > MAX_EXPANDED_VALUES:
+            raise ValueError(f"its aliases expand to more than {MAX_EXPANDED_VALUES:,} values (an alias "
+                             "repeated inside aliases); write the values out")
+    open_.discard(id(node))
+    memo[id(node)] = size
+    return size
+
+
 def read_yaml(path: str | Path, what: str, empty_ok: bool = False) -> tuple[dict, dict[Loc, int]]:
     """A YAML file's mapping and the line of each key path; ConfigError if it is unreadable, not YAML
     or not a mapping (``what`` says what it should be; with ``empty_ok`` an empty file is {})."""
@@ -56,7 +80,11 @@ def read_yaml(path: str | Path, what: str, empty_ok: bool = False) -> tuple[dict
         raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     try:
         node = yaml.compose(text)
+        if node is not None:
+            _expanded_size(node, {}, set())  # before anything walks the values it would build
         data = yaml.safe_load(text)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
