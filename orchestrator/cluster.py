@@ -9,22 +9,21 @@ of ``--duration``) stop cleanly: every instance is released and the run's data i
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
 from contextlib import closing
 from pathlib import Path
 
+import psutil
 import tenacity
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from . import figures
+from . import figures, run_pid
 from .config import ClusterConfig
 from .config_checks import load_cluster_config
-from .figures import PID_FILE
 from .run_store import RunStore
 
 
@@ -114,7 +113,7 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
 
     from .supervisor import Supervisor
 
-    (run_dir / PID_FILE).write_text(str(os.getpid()))
+    run_pid.claim(run_dir)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     supervisor = None
@@ -168,7 +167,7 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
             ray.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        (run_dir / PID_FILE).unlink(missing_ok=True)
+        run_pid.release(run_dir)
 
 
 def headline(run_dir: Path) -> figures.Headline:
@@ -331,15 +330,18 @@ def _terminate_cloud_run(config: ClusterConfig) -> list[str]:
 def _down_run(run_dir: str, console: Console, address: str | None = None) -> int:
     """Stop a run: through the ``up`` command that runs it, or, when that command is gone while its
     detached supervisor runs on a Ray cluster, through the supervisor itself."""
-    pid_file = Path(run_dir) / PID_FILE
-    pid = int(pid_file.read_text()) if pid_file.exists() else None
-    if pid is not None:
+    pid_file = Path(run_dir) / run_pid.PID_FILE
+    process = run_pid.driver(Path(run_dir))
+    if process is not None:
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+            process.terminate()  # psutil checks the start time again: never another process
+        except psutil.NoSuchProcess:
+            process = None
+    if process is None:
+        if pid_file.exists():
+            console.print(f"{pid_file}: no spotswarm process of this run is alive (its pid may belong to "
+                          "another process now); removed")
             pid_file.unlink(missing_ok=True)
-            pid = None
-    if pid is None:
         return _down_detached(Path(run_dir), console, address)
     deadline = time.monotonic() + 180
     while pid_file.exists() and time.monotonic() < deadline:

@@ -11,27 +11,20 @@ price, summed over every instance the run ever had, across every recovery.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import run_pid
 from .run_store import InstanceRecord, RunStore, summarize_costs
 
-PID_FILE = "up.pid"  # written by ``spotswarm up``/``resume`` while the run is in the foreground
 LOSSES = ("preempted", "died")  # ends that the supervisor replaces
 
 
 def is_live(run_dir: Path) -> bool:
     """Whether a ``spotswarm up``/``resume`` process is driving this run right now."""
-    pid_file = Path(run_dir) / PID_FILE
-    try:
-        pid = int(pid_file.read_text())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return False
-    return True
+    return run_pid.driver(run_dir) is not None
 
 
 def store_clock(store: RunStore) -> Callable[[], float] | None:

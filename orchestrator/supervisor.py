@@ -350,8 +350,12 @@ class SupervisorCore:
         if latest is None:
             return
         epoch, path = latest
-        data = torch.load(path, weights_only=False)
-        self.checkpoint_state = (int(data["epoch"]), data["state"])
+        try:
+            self.checkpoint_state = read_checkpoint(path)
+        except ValueError as e:  # the run goes on without it: the peers still hold their state
+            logger.error("%s; not serving it", e)
+            self.store.event("checkpoint_refused", detail={"path": str(path), "error": str(e)[:500]})
+            return
         self.epoch = max(self.epoch, epoch)
         logger.info("serving checkpoint of epoch %d from %s", epoch, path)
 
@@ -389,6 +393,18 @@ def _ray_node() -> dict:
     info = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
     return {"id": node_id, "ip": info.get("NodeManagerAddress"),
             "head": "node:__internal_head__" in info.get("Resources", {})}
+
+
+def read_checkpoint(path: Path) -> tuple[int, Any]:
+    """A checkpoint's (epoch, state), read as tensors and plain containers only: a file from the object
+    store or a shared disk runs no code here.  ValueError says why a file is refused."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        return int(data["epoch"]), data["state"]
+    except Exception as e:  # noqa: BLE001 - unpickling refuses in many ways, each a bad file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"checkpoint {path} cannot be read as tensors and plain values "
+                         f"({type(e).__name__}: {first[:300]})") from None
 
 
 async def _make(cls: Any, *args: Any) -> Any:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import os
 import random
-import signal
 from collections.abc import Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +94,7 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
     def __init__(self, config: ClusterConfig, clock: Any) -> None:
         super().__init__(config, clock)
         self.instances: dict[str, Instance] = {}
-        self.pids: dict[str, int] = {}
+        self.processes: dict[str, psutil.Process] = {}  # bound to the pid and its start time: never a reused pid
         self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
         self.identifying: dict[str, tuple[Any, LaunchSpec]] = {}  # -> (ObjectRef of its peer id, spec)
         self.failed: set[str] = set()
@@ -155,7 +154,11 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
                 logger.warning("instance %s failed to start: %s", instance_id, e)
                 self.failed.add(instance_id)
                 continue
-            self.pids[instance_id] = info["pid"]
+            try:
+                self.processes[instance_id] = psutil.Process(info["pid"])
+            except psutil.NoSuchProcess:  # died right after it answered
+                self.failed.add(instance_id)
+                continue
             if instance_id in self.instances:
                 self.instances[instance_id].tags["peer_id"] = info["peer_id"]
 
@@ -166,9 +169,9 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self._collect_started()
         gone = []
         for instance_id in list(self.instances):
-            pid = self.pids.get(instance_id)
+            process = self.processes.get(instance_id)
             if self.due_kill(instance_id, now) or instance_id in self.failed \
-                    or (pid is not None and not _alive(pid)):
+                    or (process is not None and not _alive(process)):
                 self._sigkill(instance_id)
                 gone.append(instance_id)
         return gone
@@ -185,9 +188,10 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         inst = self.instances.pop(instance_id, None)
         self.starting.pop(instance_id, None)
         self.identifying.pop(instance_id, None)
-        pid = self.pids.get(instance_id)
-        if pid is not None and _alive(pid):
-            os.kill(pid, signal.SIGKILL)  # a real preemption: no atexit, no goodbye
+        process = self.processes.pop(instance_id, None)
+        if process is not None and _alive(process):
+            with suppress(psutil.NoSuchProcess):
+                process.kill()  # a real preemption: no atexit, no goodbye (psutil checks the start time again)
         elif inst is not None:
             ray.kill(inst.handle)  # still booting: nothing to kill but the actor
 
@@ -196,10 +200,10 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         return [i for i in self.instances.values() if all(i.tags.get(k) == v for k, v in tag_filters.items())]
 
 
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie (dead for our purposes)."""
+def _alive(process: psutil.Process) -> bool:
+    """Running (the same process, not a reuse of its pid), and not a zombie (dead for our purposes)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:  # ZombieProcess is one too
         return False
     except psutil.AccessDenied:  # not ours to inspect, but there

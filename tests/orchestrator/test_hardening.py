@@ -1,0 +1,95 @@
+"""Files a run trusts that someone else may have written or outlived: a checkpoint is read as tensors
+only, and the run's pid file never leads to another process that got the same pid."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from orchestrator import figures, run_pid
+from orchestrator.supervisor import read_checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Planted:
+    """Unpickled by a full ``torch.load``, it would create a file: code run by reading a checkpoint."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_is_read_as_tensors_and_a_planted_object_is_refused(tmp_path):
+    good = tmp_path / "epoch-000004.pt"
+    state = {"params": [torch.arange(3.0)], "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
+             "scheduler": None}
+    torch.save({"epoch": 4, "state": state}, good)
+    epoch, loaded = read_checkpoint(good)
+    assert epoch == 4 and torch.equal(loaded["params"][0], torch.arange(3.0))
+    assert loaded["optimizer"]["param_groups"] == [{"lr": 0.1}]
+
+    marker = tmp_path / "code-ran"
+    bad = tmp_path / "epoch-000005.pt"
+    torch.save({"epoch": 5, "state": {"params": [], "x": _Planted(str(marker))}}, bad)
+    with pytest.raises(ValueError, match=r"epoch-000005\.pt cannot be read as tensors and plain values"):
+        read_checkpoint(bad)
+    assert not marker.exists()  # refused before anything in it ran
+
+    for junk in (b"", b"not a checkpoint", b"PK\x03\x04" + os.urandom(64)):
+        bad.write_bytes(junk)
+        with pytest.raises(ValueError, match="cannot be read as tensors"):
+            read_checkpoint(bad)
+
+
+def test_the_run_pid_file_names_its_driver_only_while_that_very_process_runs(tmp_path):
+    assert run_pid.driver(tmp_path) is None and not figures.is_live(tmp_path)
+    run_pid.claim(tmp_path)
+    assert run_pid.driver(tmp_path).pid == os.getpid() and figures.is_live(tmp_path)
+
+    # the same pid with another start time: the pid was reused, the run's driver is gone
+    pid_file = tmp_path / run_pid.PID_FILE
+    pid_file.write_text(f"{os.getpid()} {psutil.Process().create_time() - 100.0!r}")
+    assert run_pid.driver(tmp_path) is None and not figures.is_live(tmp_path)
+    pid_file.write_text(str(os.getpid()))  # no start time recorded: cannot be told from a stranger
+    assert run_pid.driver(tmp_path) is None
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid_file.write_text(f"{child.pid} {psutil.Process(child.pid).create_time()!r}")
+        assert run_pid.driver(tmp_path).pid == child.pid
+    finally:
+        child.kill()
+        child.wait()
+    assert run_pid.driver(tmp_path) is None  # ended: not live, whatever the file says
+    run_pid.release(tmp_path)
+    assert not pid_file.exists()
+
+
+def test_down_never_signals_a_process_that_got_the_runs_pid(tmp_path, capsys):
+    from orchestrator.cli import main
+    from orchestrator.config_checks import load_cluster_config
+    from orchestrator.run_store import RunStore
+
+    config = load_cluster_config(Path(__file__).resolve().parents[2] / "cluster_configs" / "local.yaml")
+    store = RunStore.create(config, base=tmp_path)
+    store.close()
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # the run's driver died; the system gave its pid to this process, started later
+        started = psutil.Process(stranger.pid).create_time()
+        (store.dir / run_pid.PID_FILE).write_text(f"{stranger.pid} {started - 30.0!r}")
+        assert main(["down", str(store.dir)]) == 0
+        assert stranger.poll() is None  # not signalled
+        assert "not running" in " ".join(capsys.readouterr().out.split())  # the console wraps lines
+        assert not (store.dir / run_pid.PID_FILE).exists()  # the stale file is gone
+    finally:
+        stranger.kill()
+        stranger.wait()
