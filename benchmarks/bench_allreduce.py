@@ -571,6 +571,8 @@ def loopback_figures(lb: Loopback, vs_hivemind: bool) -> dict:
             figures[f"allreduce_s_{tag}"] = ar
             figures[f"matchmaking_s_{tag}"] = run.median("mm") if run.all_correct else None
             figures[f"raw_fraction_{tag}"] = raw_s / ar if raw_s and ar else None
+            figures[f"cpu_s_{tag}"] = run.median("cpu") if run.all_correct else None  # all peers, one round
+            figures[f"raw_cpu_s_{tag}"] = lb.raws[n, size]["cpu"]
             if n == 4:
                 figures["raw_s_4x10M"] = raw_s
         else:
