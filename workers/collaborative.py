@@ -104,7 +104,7 @@ class CollaborativeOptimizer:
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
                                              allreduce_timeout=averaging_timeout, compression=compression)
             tracker = ProgressTracker(node, run, target_batch_size, signer)
-            tracker.start_view()
+            await tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock)
             return averager, tracker, sharer
 

@@ -77,18 +77,24 @@ class ProgressTracker:
         await self.node.store(self.key, None, time.time() + self.expiration + 1, subkey=self.subkey)
 
     async def peers(self) -> dict[str, PeerProgress]:
+        return (await self._read())[0]
+
+    async def _read(self) -> tuple[dict[str, PeerProgress], set[str]]:
+        """Every live peer's record, and the subkeys of the peers that withdrew theirs."""
         found = await self.node.get(self.key, latest=True)
         out: dict[str, PeerProgress] = {}
+        withdrawn: set[str] = set()
         if found is None or not isinstance(found.value, dict):
-            return out
+            return out, withdrawn
         for subkey, item in found.value.items():
             if item.value is None:
+                withdrawn.add(str(subkey))
                 continue
             try:
                 out[str(subkey)] = PeerProgress.model_validate(item.value)
             except pydantic.ValidationError:
                 continue
-        return out
+        return out, withdrawn
 
     async def global_progress(self) -> GlobalProgress:
         """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
@@ -99,9 +105,11 @@ class ProgressTracker:
         return self._summarize(dict(self._seen))
 
     # ---- the background view -------------------------------------------------------------------
-    def start_view(self) -> None:
-        """Keep the view fresh from now on, on the node's loop (call there); ends with the node."""
+    async def start_view(self) -> None:
+        """Read the swarm once, then keep the view fresh on the node's loop; ends with the node.  A
+        view that started empty would show a newcomer alone, and it would step alone."""
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        await self._refresh()
         self.node.spawn(self._keep_view())
 
     def publish(self, progress: PeerProgress) -> None:
@@ -126,9 +134,18 @@ class ProgressTracker:
             try:
                 if progress is not None:
                     await self.report(progress)
-                self._seen = await self.peers()
+                await self._refresh()
             except Exception as e:  # the DHT's own errors: the view stays as it was until the next read
                 logger.debug("progress view not refreshed: %s: %s", type(e).__name__, e)
+
+    async def _refresh(self) -> None:
+        """Merge a read into the view.  A peer missing from one read (a replica that did not answer in
+        time) keeps its last record until that would have expired in the DHT too, unless it withdrew:
+        one short read must not make the others look gone, or a peer would step alone."""
+        found, withdrawn = await self._read()
+        cutoff = time.time() - self.expiration
+        kept = {k: p for k, p in self._seen.items() if k not in withdrawn and k not in found and p.time >= cutoff}
+        self._seen = {**kept, **found}
 
     def _summarize(self, peers: dict[str, PeerProgress]) -> GlobalProgress:
         if self.last_report is not None:

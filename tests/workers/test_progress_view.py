@@ -32,6 +32,9 @@ def test_micro_steps_call_no_dht_and_the_views_meet(wait_for):
     dht_a, opt_a, model_a = peer([])
     dht_b, opt_b, model_b = peer(dht_a.addresses)
     try:
+        # a newcomer's view holds the others from its first step: one that started empty would show it
+        # alone, and it would step alone
+        assert opt_b.tracker.view().live_peers == 2
         calls = []
         blocking = dht_a.run_coroutine
         dht_a.run_coroutine = lambda *a, **k: calls.append(a) or blocking(*a, **k)  # counts, still works
