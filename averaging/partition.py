@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from p2p.devices import host_buffer
+
 from .compression import Codec, choose
 
 
@@ -42,8 +44,9 @@ class FlatTensors:
         reusable = single.dtype == torch.float32 and single.is_contiguous() and single.device.type == "cpu"
         if len(tensors) == 1 and reusable:
             self.flat = single.detach().reshape(-1)  # use the caller's memory: no copy of a big model
-        else:
-            self.flat = torch.empty(self.offsets[-1], dtype=torch.float32)
+        else:  # GPU tensors are staged in page-locked memory
+            gpu = next((t.device for t in tensors if t.device.type == "cuda"), None)
+            self.flat = host_buffer(self.offsets[-1], gpu)
             for t, start, end in zip(tensors, self.offsets, self.offsets[1:], strict=False):
                 self.flat[start:end].copy_(t.detach().reshape(-1))
         self.views = [self.flat[s:e].view(shape) for s, e, shape in zip(self.offsets, self.offsets[1:], self.shapes,

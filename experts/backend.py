@@ -31,14 +31,16 @@ class ExpertBackend:
 
     def __init__(self, uid: str, module: nn.Module, args_schema: Sequence[TensorSchema],
                  outputs_schema: Sequence[TensorSchema] | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 max_batch_size: int = 4096, update_period: int = 1, max_grad_norm: float | None = None) -> None:
+                 max_batch_size: int = 4096, update_period: int = 1, max_grad_norm: float | None = None,
+                 device: torch.device | str = "cpu") -> None:
         parse_uid(uid)
         if max_batch_size < 1 or update_period < 1:
             raise ValueError("max_batch_size and update_period must be at least 1")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
         self.uid = uid
-        self.module = module
+        self.device = torch.device(device)  # the module's; requests and answers travel on the CPU
+        self.module = module.to(self.device)
         self.args_schema = tuple(args_schema)
         self.optimizer = optimizer
         self.max_batch_size = max_batch_size
@@ -56,26 +58,27 @@ class ExpertBackend:
     def _probe_outputs(self) -> list[TensorSchema]:
         """Output schemas from sample inputs; output dimensions that follow an open input size stay open."""
         with torch.no_grad():
-            first = self._as_list(self.module(*(s.sample(2, 1) for s in self.args_schema)))
+            first = self._as_list(self.module(*(s.sample(2, 1).to(self.device) for s in self.args_schema)))
             if not any(None in s.shape for s in self.args_schema):
-                return [TensorSchema.from_tensor(o) for o in first]
-            second = self._as_list(self.module(*(s.sample(2, 3) for s in self.args_schema)))
+                return [TensorSchema.from_tensor(o.cpu()) for o in first]
+            second = self._as_list(self.module(*(s.sample(2, 3).to(self.device) for s in self.args_schema)))
         return [TensorSchema(tuple(d if d == d2 else None for d, d2 in zip(a.shape[1:], b.shape[1:], strict=True)),
                              a.dtype) for a, b in zip(first, second, strict=True)]
 
     @classmethod
     def from_kind(cls, uid: str, kind: str, hidden_dim: int, optimizer: OptimizerFactory | None = None,
-                  module_kwargs: dict | None = None, **options: Any) -> ExpertBackend:
+                  module_kwargs: dict | None = None, device: torch.device | str = "cpu",
+                  **options: Any) -> ExpertBackend:
         """A backend for a registered expert kind (``ffn``, ``transformer``, ...): schemas come from its sample."""
         spec = get_expert_kind(kind)
-        module = spec.cls(hidden_dim, **(module_kwargs or {}))
+        module = spec.cls(hidden_dim, **(module_kwargs or {})).to(device)  # before its optimizer sees it
         schema = []
         for t in spec.sample(2, hidden_dim):
             s = TensorSchema.from_tensor(t)
             schema.append(TensorSchema(tuple(None if i in spec.open_dims else d for i, d in enumerate(s.shape)),
                                        s.dtype))
         opt = optimizer(module.parameters()) if optimizer is not None else None
-        return cls(uid, module, schema, optimizer=opt, **options)
+        return cls(uid, module, schema, optimizer=opt, device=device, **options)
 
     @staticmethod
     def _as_list(outputs: Any) -> list[torch.Tensor]:
@@ -91,16 +94,21 @@ class ExpertBackend:
     # ---- work (runtime thread) -----------------------------------------------------------------
     def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
-            outputs = self._as_list(self.module(*inputs))
+            outputs = self._as_list(self.module(*self._here(inputs)))
         check_finite(self.uid, "computed output", outputs)  # finite inputs can still overflow
         self.samples_forward += inputs[0].shape[0]
-        return [o.detach() for o in outputs]
+        return [o.detach().cpu() for o in outputs]
+
+    def _here(self, tensors: Sequence[torch.Tensor | None]) -> list[Any]:
+        """Request tensors on the module's device (no copy on the CPU)."""
+        return [t.to(self.device, non_blocking=True) if t is not None else None for t in tensors]
 
     def backward(self, inputs: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Gradients of the inputs (None for non-float ones); accumulates parameter gradients and
         steps the optimizer every ``update_period`` calls.  A batch whose outputs or gradients are not
         finite raises NonFiniteValues and leaves the parameters and their gradients as they were."""
         params = [p for p in self.module.parameters() if p.requires_grad] if self.optimizer is not None else []
+        inputs, grad_outputs = self._here(inputs), self._here(grad_outputs)
         with torch.enable_grad():
             args = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
             outputs = self._as_list(self.module(*args))
@@ -125,7 +133,7 @@ class ExpertBackend:
                 result.append(None)
                 continue
             g = next(it)
-            result.append(torch.zeros_like(a) if g is None else g)
+            result.append(torch.zeros_like(a).cpu() if g is None else g.cpu())
         self.samples_backward += inputs[0].shape[0]
         self.backward_batches += 1
         if self.optimizer is not None and self.backward_batches % self.update_period == 0:

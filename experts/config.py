@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from p2p import Identity, Limits
+from p2p.devices import DeviceName, pick_device
 from p2p.membership import Membership
 
 from .backend import ExpertBackend
@@ -59,6 +60,8 @@ class ExpertServerConfig(BaseModel):
     max_message_mib: int | None = Field(None, gt=0, description="largest request accepted, in MiB")
     seed: int | None = Field(None, description="seed for the experts' initial weights")
     num_threads: int | None = Field(None, gt=0, description="torch threads for the experts' work")
+    device: DeviceName = Field("auto", description="where the experts compute: auto (a GPU when torch sees one), "
+                               "cpu or cuda")
 
     @model_validator(mode="after")
     def _one_source_of_uids(self) -> ExpertServerConfig:
@@ -101,8 +104,9 @@ def build_backends(config: ExpertServerConfig) -> list[ExpertBackend]:
         random.seed(config.seed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
     return [ExpertBackend.from_kind(uid, config.expert_cls, config.hidden_dim, optimizer=_optimizer(config),
-                                    max_batch_size=config.max_batch_size,
+                                    device=device, max_batch_size=config.max_batch_size,
                                     update_period=config.optimizer_update_period, max_grad_norm=config.max_grad_norm)
             for uid in config.uids()]
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 
+from p2p.devices import DeviceName
 from workers.peer import WorkerConfig
 
 from .config_loader import ConfigError as ConfigError  # raised for this module's configs by config_checks
@@ -274,6 +275,8 @@ class TrainingConfig(_Strict):
     averaging_timeout_s: float = pydantic.Field(30.0, gt=0)
     min_matchmaking_time_s: float = pydantic.Field(2.0, gt=0)
     param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
+    # where workers train: auto is the instance's GPU when its node type has one (resources: {GPU: n})
+    device: DeviceName = "auto"
 
 
 class CheckpointConfig(_Strict):
@@ -363,8 +366,14 @@ class ClusterConfig(_Strict):
         return WorkerConfig(run=self.cluster_name, task=t.task, mode=t.averaging, initial_peers=initial_peers,
                             target_batch_size=t.target_batch_size, compression=t.compression,
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
-                            moshpit_grid=t.grid, group_size=t.group_size,
+                            moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
                             param_digests=t.param_digests, **extra)
+
+    def worker_gpus(self) -> dict[str, int]:
+        """GPUs each node type's worker takes: one where the type has any and training may use it."""
+        if self.training.device == "cpu":
+            return {}
+        return {name: 1 for name, nt in self.fleet_types().items() if nt.resources.get("GPU", 0) >= 1}
 
 
 def spot_said_twice(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,

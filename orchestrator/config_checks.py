@@ -58,6 +58,11 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
                     f"{config.training.group_size} is less than the fleet's largest size, {fleet} instances (the "
                     "sum of max_workers): collaborative averaging needs every live peer in one group; raise "
                     "group_size or use averaging: moshpit"))
+    if config.training.device == "cuda":
+        gpu_less = [name for name, nt in config.fleet_types().items() if nt.resources.get("GPU", 0) < 1]
+        if gpu_less:
+            out.append((("training", "device"), f"cuda, but node type(s) {', '.join(gpu_less)} have no GPU (give "
+                        "them resources: {GPU: 1}, or use device: auto to train where there is one)"))
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import uvloop
 
 from experts.config import ExpertServerConfig, serve
+from p2p.devices import pick_device
 
 from .config_loader import ModelFlags
 
@@ -63,6 +64,11 @@ def run(config: ExpertServerConfig) -> int:
     problem = _membership_problem(config)
     if problem:
         print(f"spotswarm expert-server: membership_token: {problem}", file=sys.stderr)
+        return 2
+    try:
+        pick_device(config.device)  # a GPU asked for and missing: said before anything starts
+    except ValueError as e:
+        print(f"spotswarm expert-server: {e}", file=sys.stderr)
         return 2
     uvloop.run(_serve(config))
     return 0

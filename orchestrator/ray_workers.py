@@ -117,8 +117,10 @@ class WorkerActor:
             self.left.set()
 
 
-def spawn_worker(instance_id: str, resources: dict[str, float], detached: bool) -> Any:
-    options: dict[str, Any] = {"name": worker_actor_name(instance_id), "resources": resources}
+def spawn_worker(instance_id: str, resources: dict[str, float], detached: bool, num_gpus: int = 0) -> Any:
+    """The worker's actor; with ``num_gpus`` Ray gives it the node's GPU (an actor that asks for
+    none sees no GPU: Ray hides them from it)."""
+    options: dict[str, Any] = {"name": worker_actor_name(instance_id), "resources": resources, "num_gpus": num_gpus}
     if detached:
         options["lifetime"] = "detached"
     return WorkerActor.options(**options).remote()
@@ -128,7 +130,8 @@ class RayWorkers:
     """The policy's ``WorkerControl`` over Ray actors."""
 
     def __init__(self, boot_timeout: float = 600.0, watch: dict | None = None, check_every_s: float = 1.0,
-                 certifier: Any = None) -> None:
+                 certifier: Any = None, gpus: dict[str, int] | None = None) -> None:
+        self.gpus = gpus or {}  # node type -> GPUs its worker takes (the training device may be one)
         self.boot_timeout = boot_timeout  # a cloud machine may take minutes to boot and join
         self.certifier = certifier  # the run's authority.Certifier; None: membership off
         self.watch = watch  # instances watch their own metadata for notices (clouds)
@@ -150,7 +153,8 @@ class RayWorkers:
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
         """Start the worker on the instance's own node; blocks until the node joined and it runs."""
-        actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True)
+        actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True,
+                             num_gpus=self.gpus.get(instance.node_type, 0))
         try:
             if self.certifier is not None:
                 started = time.monotonic()

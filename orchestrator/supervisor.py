@@ -115,7 +115,7 @@ class SupervisorCore:
     def _worker_control(self) -> RayWorkers:
         """Cloud machines watch their own metadata for notices; the local simulator tells its workers."""
         return RayWorkers(watch=instance_watch(self.config.provider.type, self.config.spot.notice_period_s),
-                          certifier=self.certifier)
+                          certifier=self.certifier, gpus=self.config.worker_gpus())
 
     def _head_changed(self) -> bool:
         """Whether the run's previous supervisor ran on another Ray cluster (the old head is gone, and

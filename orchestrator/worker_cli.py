@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from p2p import P2PError
+from p2p.devices import pick_device
 from workers.peer import TrainingPeer, WorkerConfig
 
 from .config_loader import ModelFlags
@@ -23,6 +24,11 @@ FLAGS = ModelFlags(WorkerConfig, spellings={"identity_path": "--identity"})  # a
 
 
 def run(config: WorkerConfig) -> int:
+    try:
+        pick_device(config.device)  # a GPU asked for and missing: said before anything starts
+    except ValueError as e:
+        print(f"spotswarm worker: {e}", file=sys.stderr)
+        return 2
     try:
         peer = TrainingPeer(config)
     except P2PError as e:

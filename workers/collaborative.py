@@ -109,7 +109,12 @@ class CollaborativeOptimizer:
             return averager, tracker, sharer
 
         self.averager, self.tracker, self.state = dht.run_coroutine(build)
-        self.grad_buffers = self.averager.tensors  # views into the averager's flat buffer
+        self.host_buffers = self.averager.tensors  # views into the averager's flat buffer, on the CPU
+        # gradients accumulate where the parameters are: on the CPU straight into the averager's
+        # buffer, on a GPU in accumulators there, copied to the (page-locked) buffer to average
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        self.grad_buffers = self.host_buffers if on_cpu else [torch.zeros_like(p, dtype=torch.float32)
+                                                              for p in self.params]
         if load_state_on_start:
             self._load_state_if_any()
         self._report(force=True, wait=True)  # the others count us from the first step on
@@ -200,6 +205,9 @@ class CollaborativeOptimizer:
         if self.local_steps:
             for buf in self.grad_buffers:  # mean gradient per micro-batch; weighted by samples below
                 buf.div_(self.local_steps)
+        if self.grad_buffers is not self.host_buffers:
+            for host, buf in zip(self.host_buffers, self.grad_buffers, strict=True):
+                host.copy_(buf)
         started = time.monotonic()
         # Step alone only when nobody else is alive: two peers that each stepped alone on a stale view
         # of the other would share an epoch with different parameters, and never reconcile.
@@ -226,8 +234,8 @@ class CollaborativeOptimizer:
                         self.epoch, progress.live_peers - 1, why)
             self._restore_accumulated()
             return False
-        for p, buf in zip(self.params, self.grad_buffers, strict=True):
-            p.grad = buf.to(p.dtype).view_as(p).clone() if p.dtype != torch.float32 else buf.view_as(p).clone()
+        for p, host in zip(self.params, self.host_buffers, strict=True):
+            p.grad = host.view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
         with self._state_lock:
             self.optimizer.step()
             if self.scheduler is not None:

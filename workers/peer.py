@@ -14,13 +14,14 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 import torch
 
 from dht import DHT
 from p2p import Identity
+from p2p.devices import DeviceName, pick_device
 from p2p.membership import Certificate, Membership
 
 from .collaborative import CollaborativeOptimizer
@@ -56,6 +57,8 @@ class WorkerConfig(pydantic.BaseModel):
     max_epochs: int | None = pydantic.Field(None, gt=0, description="stop after this many global epochs")
     max_seconds: float | None = pydantic.Field(None, gt=0, description="stop after this many seconds")
     seed: int = pydantic.Field(0, description="this peer's data order (the initial weights come from the run)")
+    device: DeviceName = pydantic.Field("auto", description="where the model trains: auto (a GPU when torch sees "
+                                        "one), cpu or cuda")
     min_peers: int = pydantic.Field(1, ge=1, description="wait until this many peers are up before training")
     min_peers_timeout: float = pydantic.Field(120.0, gt=0, description="seconds to wait for min_peers at most")
     report_file: str | None = pydantic.Field(None, description="append one JSON line per epoch")
@@ -67,8 +70,17 @@ class WorkerConfig(pydantic.BaseModel):
 def params_digest(params: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _on(device: torch.device, batch: Any) -> Any:
+    """A batch (a tensor, or a tuple or list of them) on the model's device."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_on(device, item) for item in batch)
+    return batch
 
 
 def run_membership(config: WorkerConfig, identity: Identity) -> Membership | None:
@@ -85,7 +97,8 @@ class TrainingPeer:
     def __init__(self, config: WorkerConfig, identity: Identity | None = None) -> None:
         self.config = config
         self.task = load_task(config.task)
-        self.model = self.task.model(seed=0)
+        self.device = pick_device(config.device)
+        self.model = self.task.model(seed=0).to(self.device)  # before its optimizer: the state follows the params
         optimizer = self.task.make_optimizer(self.model.parameters())
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
         if identity is None:
@@ -136,7 +149,7 @@ class TrainingPeer:
                     break
                 if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
                     break
-                batch = next(batches)
+                batch = _on(self.device, next(batches))
                 loss = self.task.loss(self.model, batch)
                 loss.backward()
                 losses.append(loss.item())
