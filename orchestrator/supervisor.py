@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,9 @@ class SupervisorCore:
         self.certifier = self._certifier()
         self.dht = self._start_dht(identity)
         signer = SignatureValidator(identity)
-        self.tracker = self.dht.run_coroutine(lambda n: _make(ProgressTracker, n, config.cluster_name,
-                                                               config.training.target_batch_size, signer))
+        self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(n, config.cluster_name,
+                                                                                 config.training.target_batch_size,
+                                                                                 signer)))
         self.checkpoint_state: tuple[int, Any] | None = None
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
                                                              self._serve_checkpoint))
@@ -89,6 +91,9 @@ class SupervisorCore:
         self.epoch = self.store.latest_epoch()
         self._first_seen: dict[str, int] = {}  # instance id -> the epoch its peer first reported
         self._last_checkpoint = self.clock()
+        # a checkpoint's state download (donor after donor) and file write run here, never in the tick
+        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._checkpointing: Future | None = None
         self._last_advert = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -233,6 +238,10 @@ class SupervisorCore:
 
     def _close(self, release: bool) -> None:
         self._halt()
+        self._checkpointer.shutdown(wait=True, cancel_futures=True)  # a download in flight ends within its timeouts
+        job = self._checkpointing
+        if job is not None and job.done() and not job.cancelled():
+            self._record_checkpoint(job)
         if release:
             self.policy.release_all()
         self.policy.shutdown()
@@ -273,7 +282,7 @@ class SupervisorCore:
 
     # ---- progress and checkpoints --------------------------------------------------------------
     def _record_progress(self) -> None:
-        peers = self.dht.run_coroutine(lambda n: self.tracker.peers())
+        peers = self.tracker.records()  # the background view: the tick makes no DHT call
         if not peers:
             return
         self._record_first_steps(peers)
@@ -302,23 +311,42 @@ class SupervisorCore:
                 self.store.event("first_step", instance_id, {"epoch": record.epoch})
 
     def _maybe_checkpoint(self, now: float) -> None:
-        if now - self._last_checkpoint < self.config.checkpoint.every_s:
+        """Start a checkpoint every ``every_s`` on the checkpoint thread; record a finished one."""
+        job = self._checkpointing
+        if job is not None:
+            if job.done():
+                self._checkpointing = None
+                self._record_checkpoint(job)
+            return
+        if now - self._last_checkpoint < self.config.checkpoint.every_s or self._stop.is_set():
             return
         self._last_checkpoint = now
         have = self.checkpoint_state[0] if self.checkpoint_state else -1
-        try:
-            epoch, state = self.dht.run_coroutine(lambda n: self.state.download(min_epoch=have + 1))
-        except StateUnavailable as e:
-            logger.info("no newer state to checkpoint: %s", e)
-            if self.archiver is not None:
-                self.archiver.retry()  # what an earlier upload left owed
-            return
+        self._checkpointing = self._checkpointer.submit(self._write_checkpoint, have + 1)
+
+    def _write_checkpoint(self, min_epoch: int) -> tuple[int, Any, Path]:
+        """The newest state from the peers, written to its file (the checkpoint thread)."""
+        epoch, state = self.dht.run_coroutine(lambda n: self.state.download(min_epoch=min_epoch))
         directory = self._checkpoint_dir()
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"epoch-{epoch:06d}.pt"
         tmp = path.with_suffix(".tmp")
         torch.save({"epoch": epoch, "state": state}, tmp)
         tmp.replace(path)  # atomic: a crash never leaves a half-written checkpoint behind
+        return epoch, state, path
+
+    def _record_checkpoint(self, job: Future) -> None:
+        try:
+            epoch, state, path = job.result()
+        except StateUnavailable as e:
+            logger.info("no newer state to checkpoint: %s", e)
+            if self.archiver is not None:
+                self.archiver.retry()  # what an earlier upload left owed
+            return
+        except Exception as e:  # a full disk, a peer gone mid-download: the next period tries again
+            logger.warning("checkpoint failed: %s: %s", type(e).__name__, e)
+            return
+        directory = path.parent
         self.checkpoint_state = (epoch, state)
         self.store.checkpoint(epoch, path)
         self.store.event("checkpoint", detail={"epoch": epoch, "path": str(path)})
@@ -369,7 +397,8 @@ class SupervisorCore:
             return
         self._last_advert = time.monotonic()
         epoch = self.checkpoint_state[0]
-        self.dht.run_coroutine(lambda n: self.state.advertise(epoch))
+        node = self.dht.node  # the node owns the advert's task: the tick does not wait on the DHT
+        self.dht.loop.call_soon_threadsafe(lambda: node.spawn(self.state.advertise(epoch)))
 
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
@@ -409,6 +438,11 @@ def read_checkpoint(path: Path) -> tuple[int, Any]:
 
 async def _make(cls: Any, *args: Any) -> Any:
     return cls(*args)
+
+
+async def _viewing(tracker: ProgressTracker) -> ProgressTracker:
+    await tracker.start_view()
+    return tracker
 
 
 

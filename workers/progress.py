@@ -100,6 +100,10 @@ class ProgressTracker:
         """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
         return self._summarize(await self.peers())
 
+    def records(self) -> dict[str, PeerProgress]:
+        """Every peer's last record as the background view holds it (no network)."""
+        return dict(self._seen)
+
     def view(self) -> GlobalProgress:
         """The swarm's progress from the background view, extrapolated to now: no network."""
         return self._summarize(dict(self._seen))
