@@ -40,7 +40,8 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach().clone())  # a snapshot: training goes on while we serve
+            # a snapshot in host memory: training goes on while we serve it (from a GPU too)
+            tensors.append(obj.detach().to("cpu", copy=True))
             return {_TENSOR: len(tensors) - 1}
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}
