@@ -65,6 +65,12 @@ class DHT(BlockingFace):
             return await fn(self.node)
         return self._call(runner(), return_future)
 
+    def spawn(self, fn: Callable[[DHTNode], Awaitable[Any]]) -> None:
+        """Start ``fn(node)`` on the DHT's event loop without waiting for it (from any thread): work
+        the caller must not wait on, owned by the node, so it ends with the node at the latest."""
+        node = self.node
+        self.loop.call_soon_threadsafe(lambda: node.spawn(fn(node)))
+
     def renew_certificate(self, certificate: Any) -> None:
         """Hand this node's renewed membership certificate to its open and future connections
         (``P2P.renew_certificate``; ValueError if it is not a valid certificate of this peer)."""

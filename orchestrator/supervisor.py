@@ -397,8 +397,7 @@ class SupervisorCore:
             return
         self._last_advert = time.monotonic()
         epoch = self.checkpoint_state[0]
-        node = self.dht.node  # the node owns the advert's task: the tick does not wait on the DHT
-        self.dht.loop.call_soon_threadsafe(lambda: node.spawn(self.state.advertise(epoch)))
+        self.dht.spawn(lambda n: self.state.advertise(epoch))  # the tick does not wait on the DHT
 
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:

@@ -274,12 +274,12 @@ class CollaborativeOptimizer:
         while True:
             await asyncio.sleep(self.report_interval * 2)
             beats.beat()
-            if not moved_on.is_set() and (await self.tracker.global_progress()).epoch > self.epoch:
+            if not moved_on.is_set() and self.tracker.view().epoch > self.epoch:  # the background view's read
                 moved_on.set()
             last = self.tracker.last_report
             if last is not None and time.monotonic() - refreshed > self.tracker.fresh_for / 2:
                 refreshed = time.monotonic()
-                await self.tracker.report(last.model_copy(update={"time": time.time()}))
+                self.tracker.publish(last.model_copy(update={"time": time.time()}))
 
     def _restore_accumulated(self) -> None:
         if self.local_steps:
@@ -353,8 +353,7 @@ class CollaborativeOptimizer:
         if wait:
             self._call(lambda n: self.state.advertise(epoch, self.advert_expiration))
         else:
-            node = self.dht.node  # the node owns the advert's task: it ends with the node at the latest
-            self.dht.loop.call_soon_threadsafe(lambda: node.spawn(self.state.advertise(epoch, self.advert_expiration)))
+            self.dht.spawn(lambda n: self.state.advertise(epoch, self.advert_expiration))
 
     def _call(self, fn: Any) -> Any:
         return self.dht.run_coroutine(fn)
