@@ -16,6 +16,7 @@ from .errors import (
     UnknownExpert,
 )
 from .grid import expand_pattern, make_uid, parse_uid
+from .handoff import ExpertState, fetch_expert_state, load_state_bytes, params_checksum, state_bytes
 from .layers import FeedforwardBlock, NopExpert, TransformerBlock, create_expert, expert_kinds, register_expert_class
 from .moe import MixtureCallReport, RemoteMixtureOfExperts
 from .remote import ExpertInfo, RemoteExpert
@@ -25,9 +26,10 @@ from .trust import AssignedServers, TrustPolicy
 
 __all__ = [
     "AssignedServers", "BackgroundExpertServer", "ExpertBackend", "ExpertCallFailed", "ExpertClient", "ExpertError",
-    "ExpertInfo", "ExpertRequestTooLarge", "ExpertSchemaError", "ExpertServer", "FeedforwardBlock", "FoundExpert",
-    "MixtureCallReport", "NonFiniteValues", "NopExpert", "NotEnoughExperts", "RemoteExpert", "RemoteMixtureOfExperts",
-    "TensorSchema", "TransformerBlock", "TrustPolicy", "UnknownExpert", "create_expert", "declare_experts",
-    "default_client", "expand_pattern", "expert_kinds", "find_best_experts", "get_experts", "load_experts",
-    "make_uid", "parse_uid", "register_expert_class", "save_experts", "withdraw_experts",
+    "ExpertInfo", "ExpertRequestTooLarge", "ExpertSchemaError", "ExpertServer", "ExpertState", "FeedforwardBlock",
+    "FoundExpert", "MixtureCallReport", "NonFiniteValues", "NopExpert", "NotEnoughExperts", "RemoteExpert",
+    "RemoteMixtureOfExperts", "TensorSchema", "TransformerBlock", "TrustPolicy", "UnknownExpert", "create_expert",
+    "declare_experts", "default_client", "expand_pattern", "expert_kinds", "fetch_expert_state", "find_best_experts",
+    "get_experts", "load_experts", "load_state_bytes", "make_uid", "params_checksum", "parse_uid",
+    "register_expert_class", "save_experts", "state_bytes", "withdraw_experts",
 ]

@@ -47,6 +47,7 @@ class TaskPool:
     max_batch_size: int
     queue: collections.deque[_Request] = field(default_factory=collections.deque)
     batches: int = 0
+    rows: int = 0  # rows of every batch run, so rows / batches is how full batches are
     busy_seconds: float = 0.0  # time its batches held the runtime
 
     def _drop_abandoned(self) -> None:
@@ -116,6 +117,17 @@ class BatchScheduler:
         self.pools.append(pool)
         return pool
 
+    def remove_pool(self, pool: TaskPool, error: Callable[[], Exception]) -> None:
+        """Stop scheduling ``pool``; each of its queued requests fails with a fresh ``error()`` (a
+        batch of it already running on the runtime still answers its requests)."""
+        if pool in self.pools:
+            self.pools.remove(pool)
+        while pool.queue:
+            future = pool.queue.popleft().future
+            if not future.done():
+                future.set_exception(error())
+        self._wakeup.set()  # a scheduler filling this pool looks again
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="expert-batch-scheduler")
 
@@ -164,6 +176,7 @@ class BatchScheduler:
             if not batch:
                 continue
             pool.batches += 1
+            pool.rows += sum(r.rows for r in batch)
             started = time.perf_counter()
             try:
                 results = await self.runtime.run(_run_batch, pool.process, [r.inputs for r in batch],

@@ -95,6 +95,19 @@ class RemoteMixtureOfExperts(nn.Module):
         self.proj = nn.Linear(in_features, sum(self.grid_size))
         self.output_schema: TensorSchema | None = None
         self.last_call: MixtureCallReport | None = None
+        self._stats = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min"), 0)
+
+    def take_stats(self) -> dict[str, int]:
+        """Forward passes and rows since the last call, and how many got ``k_min`` answers (every row
+        of a pass, for the pass); resets the counts.  For the trainer's k_min statistics."""
+        stats, self._stats = self._stats, dict.fromkeys(self._stats, 0)
+        return stats
+
+    def _count(self, rows: int, short: int) -> None:
+        self._stats["calls"] += 1
+        self._stats["calls_meeting_k_min"] += short == 0
+        self._stats["rows"] += rows
+        self._stats["rows_meeting_k_min"] += rows - short
 
     def find_experts(self, grid_scores: Sequence[np.ndarray]) -> list[list[FoundExpert]]:
         """Beam search for every row (blocking; runs on the DHT's loop)."""
@@ -270,6 +283,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
         answered = torch.zeros(rows, max(k, 1), dtype=torch.bool)
         counts = np.zeros(rows, dtype=np.int64)
         if schema is None:
+            layer._count(rows, rows)
             raise NotEnoughExperts(f"no expert under {layer.uid_prefix!r} answered for any of {rows} rows "
                                    f"({len(groups)} chosen), so not even zeros can be returned; {_short(failures)}")
         layer.output_schema = schema
@@ -280,6 +294,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
             answered[r_idx, s_idx] = True
             counts[r_idx] += 1
         short = np.flatnonzero(counts < layer.k_min)
+        layer._count(rows, len(short))
         if len(short) and not layer.allow_zero_outputs:
             raise NotEnoughExperts(
                 f"{len(short)} of {rows} rows got fewer than k_min={layer.k_min} expert answers "

@@ -2,21 +2,27 @@
 
 RPCs (unary): ``expert.forward`` ``{"uid", "inputs": [tensors], "c"?}`` -> ``{"outputs": [...]}``;
 ``expert.backward`` ``{"uid", "inputs", "grad_outputs", "c"?}`` -> ``{"grad_inputs": [...]}``;
-``expert.info`` ``{"uid"}`` -> schemas and limits.  Requests are checked (uid, schema, rows, finite
-values) on the event loop before they are queued, so a bad request is refused on its own and the
-server keeps serving; the torch work runs on the runtime thread.  With ``initial_peers`` (``[]``
-starts a new DHT) the same endpoint is a DHT peer that declares every expert and re-declares before
-expiry; it checks record signatures (``SignatureValidator``) unless ``dht_options`` names validators.
+``expert.info`` ``{"uid"}`` -> schemas and limits; ``expert.state`` ``{"uid"}`` -> the expert's
+state as ``torch.save`` bytes with checksums (see ``handoff.py``).  Requests are checked (uid,
+schema, rows, finite values) on the event loop before they are queued, so a bad request is refused
+on its own and the server keeps serving; the torch work runs on the runtime thread.  With
+``initial_peers`` (``[]`` starts a new DHT) the same endpoint is a DHT peer that declares every
+hosted expert and re-declares before expiry; it checks record signatures (``SignatureValidator``)
+unless ``dht_options`` names validators.  The hosted set may change while the server runs
+(``add_experts`` / ``remove_experts``), starting from none at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dht import DHTNode, SignatureValidator
 from p2p import P2P, CallContext, Identity, Limits, PeerAddress
@@ -28,12 +34,14 @@ from .batching import BatchScheduler, TaskPool
 from .checkpoints import load_experts, save_experts
 from .declare import declare_experts, withdraw_experts
 from .errors import ExpertRequestTooLarge, NonFiniteValues, UnknownExpert
+from .handoff import STATE, params_checksum, state_bytes
 from .runtime import Runtime
 from .schema import check_finite, dtype_name
 
 logger = logging.getLogger(__name__)
 
 FORWARD, BACKWARD, INFO = "expert.forward", "expert.backward", "expert.info"
+METHODS = (FORWARD, BACKWARD, INFO, STATE)
 
 
 class ExpertServer:
@@ -53,16 +61,27 @@ class ExpertServer:
         self.scheduler = BatchScheduler(self.runtime, batch_timeout)
         self._forward_pools: dict[str, TaskPool] = {}
         self._backward_pools: dict[str, TaskPool] = {}
+        self._requests: dict[str, list[int]] = {}  # uid -> [accepted forward, accepted backward] requests
         for uid, b in self.backends.items():
-            self._forward_pools[uid] = self.scheduler.add_pool(TaskPool(f"{uid}/forward", b.forward, b.max_batch_size))
-            self._backward_pools[uid] = self.scheduler.add_pool(
-                TaskPool(f"{uid}/backward", _backward_fn(b), b.max_batch_size))
+            self._add_pools(uid, b)
         assert p2p.address is not None
         addr = p2p.address if announce_host is None else PeerAddress(announce_host, p2p.address.port, p2p.peer_id)
         self.address = str(addr)
-        self.declared_until: float | None = None
+        self.declared_until: float | None = None  # expiration of the last declaration that went through
+        self._latest_until = 0.0  # the newest expiration this server stored anything with
+        # declarations and withdrawals one at a time, so a withdrawal is always newer than what it hides
+        self._dht_lock = asyncio.Lock()
         self._background: list[asyncio.Task] = []
         self._closed = False
+        self.declaring = True  # False: the periodic re-declarations stop (a server about to leave)
+        self.quiet: set[str] = set()  # hosted but no longer declared (moving to another server)
+
+    def _add_pools(self, uid: str, backend: ExpertBackend) -> None:
+        self._forward_pools[uid] = self.scheduler.add_pool(
+            TaskPool(f"{uid}/forward", backend.forward, backend.max_batch_size))
+        self._backward_pools[uid] = self.scheduler.add_pool(
+            TaskPool(f"{uid}/backward", _backward_fn(backend), backend.max_batch_size))
+        self._requests[uid] = [0, 0]
 
     @classmethod
     async def create(cls, experts: Mapping[str, ExpertBackend] | Sequence[ExpertBackend], *,
@@ -83,7 +102,8 @@ class ExpertServer:
         expiration = expiration if expiration is not None else 2 * update_period
         if expiration <= update_period:
             raise ValueError(f"expiration ({expiration}) must be longer than update_period ({update_period})")
-        p2p = await P2P.create(host, port, identity=identity, limits=limits, **(p2p_options or {}))
+        p2p = await P2P.create(host, port, identity=identity, limits=limits,
+                               **{"announce_host": announce_host, **(p2p_options or {})})
         dht = None
         server = None
         try:
@@ -110,9 +130,10 @@ class ExpertServer:
         self.p2p.register(FORWARD, self.rpc_forward)
         self.p2p.register(BACKWARD, self.rpc_backward)
         self.p2p.register(INFO, self.rpc_info)
+        self.p2p.register(STATE, self.rpc_state)
         self.scheduler.start()
         loop = asyncio.get_running_loop()
-        if self.dht is not None and self.backends:
+        if self.dht is not None:  # declares whatever is hosted at each period, maybe nothing yet
             await self.declare()
             self._background.append(loop.create_task(self._declare_loop(), name="expert-declare"))
         if self.checkpoint_dir is not None and self.checkpoint_period:
@@ -157,6 +178,7 @@ class ExpertServer:
         rows = backend.check_inputs(inputs)
         self._limit(backend, rows)
         self._check_finite(backend, ctx, "input", inputs)
+        self._requests[backend.uid][0] += 1
         outputs = await self.scheduler.submit(self._forward_pools[backend.uid], inputs, rows)
         if codec is None:
             return {"outputs": outputs}
@@ -174,6 +196,7 @@ class ExpertServer:
         self._limit(backend, rows)
         self._check_finite(backend, ctx, "input", inputs)
         self._check_finite(backend, ctx, "grad_output", grads)
+        self._requests[backend.uid][1] += 1
         grad_inputs = await self.scheduler.submit(self._backward_pools[backend.uid], [*inputs, *grads], rows)
         if codec is None:
             return {"grad_inputs": grad_inputs}
@@ -183,20 +206,98 @@ class ExpertServer:
     async def rpc_info(self, request: Any, ctx: CallContext) -> dict:
         return self._backend(request).info()
 
+    async def rpc_state(self, request: Any, ctx: CallContext) -> dict:
+        """The expert's state (module, optimizer, counters) and checksums, all taken between two
+        batches on the runtime thread.  The bytes go as a uint8 tensor: a frame, which may be far
+        larger than a message header."""
+        backend = self._backend(request)
+        data, params = await self.runtime.run(_state_snapshot, backend)
+        return {"uid": backend.uid, "state": torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                "checksum": hashlib.sha256(data).hexdigest(), "params": params}
+
+    # ---- the hosted set --------------------------------------------------------------------------
+    async def add_experts(self, backends: Sequence[ExpertBackend]) -> None:
+        """Host more experts: they serve at once and, with a DHT, are declared before this returns.
+        ValueError naming the uid if one is hosted already (or listed twice)."""
+        if self._closed:
+            raise RuntimeError("this expert server is shut down")
+        uids = [b.uid for b in backends]
+        for uid in uids:
+            if uid in self.backends:
+                raise ValueError(f"expert {uid!r} is already hosted by this server")
+            if uids.count(uid) > 1:
+                raise ValueError(f"expert {uid!r} is listed twice")
+        for b in backends:
+            self.backends[b.uid] = b
+            self._add_pools(b.uid, b)
+        logger.info("expert server at %s now hosts %s too", self.address, ", ".join(uids))
+        if self.dht is not None and uids:
+            await self.declare(uids)
+
+    async def remove_experts(self, uids: Sequence[str], withdraw: bool = True) -> None:
+        """Stop hosting ``uids``: later requests get UnknownExpert, queued ones fail with it (a batch
+        already running still answers).  With ``withdraw`` their DHT records are overwritten with
+        None; without, they expire (or another server's declaration replaces them).
+        ValueError naming the uid if one is not hosted."""
+        uids = list(dict.fromkeys(uids))
+        for uid in uids:
+            if uid not in self.backends:
+                raise ValueError(f"expert {uid!r} is not hosted by this server")
+        for uid in uids:
+            del self.backends[uid]
+            self._requests.pop(uid, None)
+            for pool in (self._forward_pools.pop(uid), self._backward_pools.pop(uid)):
+                self.scheduler.remove_pool(
+                    pool, lambda uid=uid: UnknownExpert(f"expert {uid!r} was removed from this server"))
+        logger.info("expert server at %s no longer hosts %s", self.address, ", ".join(uids))
+        if withdraw and self.dht is not None and uids:
+            await self._withdraw(list(uids))
+
     # ---- DHT declarations ----------------------------------------------------------------------
-    async def declare(self) -> bool:
-        """Declare every expert (and its prefixes) now, valid for ``expiration`` seconds."""
+    async def declare(self, uids: Sequence[str] | None = None) -> bool:
+        """Declare every hosted expert (or those of ``uids`` still hosted) and its prefixes now,
+        valid for ``expiration`` seconds; True if every record was accepted (nothing to declare: True)."""
         assert self.dht is not None
-        until = time.time() + self.expiration
-        ok = await declare_experts(self.dht, list(self.backends), self.address, until)
-        self.declared_until = until
+        async with self._dht_lock:
+            chosen = [uid for uid in (self.backends if uids is None else uids)
+                      if uid in self.backends and uid not in self.quiet]
+            if not chosen:
+                return True
+            # newer than anything stored before, a withdrawal of an expert hosted again included
+            until = max(time.time() + self.expiration, self._latest_until + 1e-3)
+            self._latest_until = until  # even a failed store may have left records
+            ok = await declare_experts(self.dht, chosen, self.address, until)
+            self.declared_until = max(self.declared_until or 0.0, until)
         if not ok:
-            logger.warning("some expert declarations were not accepted by any DHT replica")
+            # also when another server holds a newer record of the same expert (a replica): no harm then
+            logger.info("some expert declarations were not accepted by any DHT replica (a newer record of "
+                        "another server, or no replica reachable)")
+        return ok
+
+    async def redeclare(self) -> bool:
+        """Declare every hosted expert now, e.g. so that after a replica's server died this one's
+        records replace the dead one's at once instead of at the next period."""
+        if self.dht is None:
+            return True
+        return await self.declare()
+
+    async def _withdraw(self, uids: list[str]) -> bool:
+        assert self.dht is not None
+        async with self._dht_lock:
+            # just newer than our last declaration, so any later declaration (a restart, a replica) wins
+            until = max(self._latest_until, time.time()) + 1e-3
+            self._latest_until = until
+            ok = await withdraw_experts(self.dht, uids, until)
+        if not ok:
+            logger.info("some expert withdrawals were not accepted by any DHT replica (a newer record of "
+                        "another server, or no replica reachable)")
         return ok
 
     async def _declare_loop(self) -> None:
         while True:
             await asyncio.sleep(self.update_period)
+            if not self.declaring:
+                continue
             try:
                 await self.declare()
             except Exception as e:  # a DHT hiccup must not stop the server; the next period retries
@@ -213,24 +314,25 @@ class ExpertServer:
 
     async def save_checkpoints(self) -> None:
         if self.checkpoint_dir is not None:
-            await self.runtime.run(save_experts, self.backends, self.checkpoint_dir)
+            await self.runtime.run(save_experts, dict(self.backends), self.checkpoint_dir)  # the set may change
 
     # ---- lifetime ------------------------------------------------------------------------------
-    async def shutdown(self, withdraw_timeout: float = 5.0) -> None:
-        """Withdraw the experts from the DHT, stop serving, save checkpoints, close the endpoint."""
+    async def shutdown(self, withdraw_timeout: float = 5.0, withdraw: bool = True) -> None:
+        """Withdraw the experts from the DHT (unless ``withdraw`` is False: an expert another server
+        also hosts stays findable, its next declaration taking the records over), stop serving,
+        save checkpoints, close the endpoint."""
         if self._closed:
             return
         self._closed = True
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self.dht is not None and self.declared_until is not None:
-            try:  # just newer than our last declaration, so any later declaration (a restart) wins
-                until = max(self.declared_until, time.time()) + 1e-3
-                await asyncio.wait_for(withdraw_experts(self.dht, list(self.backends), until), withdraw_timeout)
+        if withdraw and self.dht is not None and self._latest_until and self.backends:
+            try:
+                await asyncio.wait_for(self._withdraw(list(self.backends)), withdraw_timeout)
             except Exception as e:
                 logger.warning("withdrawing experts from the DHT failed: %r", e)
-        for method in (FORWARD, BACKWARD, INFO):
+        for method in METHODS:
             self.p2p.unregister(method)
         if self.dht is not None:
             await self.dht.shutdown()
@@ -244,13 +346,24 @@ class ExpertServer:
 
     @property
     def stats(self) -> dict[str, dict[str, float]]:
-        return {uid: {"forward_batches": self._forward_pools[uid].batches,
-                      "backward_batches": self._backward_pools[uid].batches,
-                      "busy_seconds": self._forward_pools[uid].busy_seconds
-                      + self._backward_pools[uid].busy_seconds,
-                      "samples_forward": b.samples_forward, "samples_backward": b.samples_backward,
-                      "optimizer_steps": b.optimizer_steps, "skipped_steps": b.skipped_steps}
-                for uid, b in self.backends.items()}
+        """Per hosted expert: batches, accepted requests, rows per forward batch (how full batches
+        are), samples, busy time and optimizer steps."""
+        out: dict[str, dict[str, float]] = {}
+        for uid, b in self.backends.items():
+            fwd, bwd = self._forward_pools[uid], self._backward_pools[uid]
+            requests = self._requests.get(uid, [0, 0])
+            out[uid] = {"forward_batches": fwd.batches, "backward_batches": bwd.batches,
+                        "busy_seconds": fwd.busy_seconds + bwd.busy_seconds,
+                        "requests_forward": requests[0], "requests_backward": requests[1],
+                        "rows_per_batch": fwd.rows / fwd.batches if fwd.batches else 0.0,
+                        "samples_forward": b.samples_forward, "samples_backward": b.samples_backward,
+                        "optimizer_steps": b.optimizer_steps, "skipped_steps": b.skipped_steps}
+        return out
+
+
+def _state_snapshot(backend: ExpertBackend) -> tuple[bytes, str]:
+    """On the runtime thread: the state's bytes and the parameters' checksum of the same moment."""
+    return state_bytes(backend), params_checksum(backend.module)
 
 
 def _backward_fn(backend: ExpertBackend):
@@ -271,6 +384,7 @@ class BackgroundExpertServer(BlockingFace):
                  startup_timeout: float = 60.0, server_cls: type[ExpertServer] = ExpertServer,
                  **options: Any) -> None:
         super().__init__(thread_name="spotswarm-experts")
+        self._withdraw_on_close = True
         self.server: ExpertServer = self._start(server_cls.create(experts, **options), startup_timeout)
 
     @property
@@ -281,5 +395,16 @@ class BackgroundExpertServer(BlockingFace):
     def backends(self) -> dict[str, ExpertBackend]:
         return self.server.backends
 
+    def add_experts(self, backends: Sequence[ExpertBackend], timeout: float | None = 60.0) -> None:
+        self.run(self.server.add_experts(backends), timeout)
+
+    def remove_experts(self, uids: Sequence[str], withdraw: bool = True, timeout: float | None = 60.0) -> None:
+        self.run(self.server.remove_experts(uids, withdraw), timeout)
+
+    def shutdown(self, withdraw: bool = True) -> None:
+        """Stop the server (see ``ExpertServer.shutdown``) and its loop thread."""
+        self._withdraw_on_close = withdraw
+        super().shutdown()
+
     async def _aclose(self) -> None:
-        await self.server.shutdown()
+        await self.server.shutdown(withdraw=self._withdraw_on_close)
