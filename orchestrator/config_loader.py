@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -173,9 +174,22 @@ def _argument(info: FieldInfo) -> dict[str, Any]:
         out.update(type=type(choices[0]), choices=choices)
     elif kind in (str, int, float):
         out["type"] = kind
+    elif typing.get_origin(kind) is dict:
+        out.update(type=_json_object, metavar="JSON")
     else:
         raise TypeError(f"no command-line flag for a field of type {kind!r}")
     return out
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of a mapping field: a JSON object, e.g. ``'{"layers": 1}'``."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"layers\": 1}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"layers\": 1}}', got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)

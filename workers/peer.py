@@ -20,6 +20,7 @@ import pydantic
 import torch
 
 from dht import DHT
+from experts.errors import NotEnoughExperts
 from p2p import Identity
 from p2p.devices import DeviceName, pick_device
 from p2p.membership import Certificate, Membership
@@ -36,7 +37,9 @@ class WorkerConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     run: str = pydantic.Field("spotswarm", pattern=r"^[A-Za-z0-9_-]+$", description="peers of one run train together")
-    task: str = pydantic.Field("synthetic", description="built-in task (synthetic, charlm) or module.path:callable")
+    task: str = pydantic.Field("synthetic", description="built-in task (synthetic, charlm, moe-charlm) or "
+                               "module.path:callable")
+    task_options: dict[str, Any] = pydantic.Field({}, description="keyword arguments of the task's factory")
     mode: Literal["collaborative", "moshpit"] = pydantic.Field("collaborative", description="how peers combine work")
     initial_peers: list[str] = pydantic.Field([], description="peers to join through")
     host: str = pydantic.Field("127.0.0.1", description="address to listen on")
@@ -96,17 +99,23 @@ def run_membership(config: WorkerConfig, identity: Identity) -> Membership | Non
 class TrainingPeer:
     def __init__(self, config: WorkerConfig, identity: Identity | None = None) -> None:
         self.config = config
-        self.task = load_task(config.task)
+        self.task = load_task(config.task, **config.task_options)
         self.device = pick_device(config.device)
-        self.model = self.task.model(seed=0).to(self.device)  # before its optimizer: the state follows the params
-        optimizer = self.task.make_optimizer(self.model.parameters())
-        scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
         if identity is None:
             identity = Identity.from_file(config.identity_path) if config.identity_path else Identity()
         membership = run_membership(config, identity)
         self.dht = DHT(config.initial_peers, host=config.host, port=config.port, client_mode=config.client_mode,
                        announce_host=config.announce_host, identity=identity,
                        validators=run_validators(config.run, identity), p2p_options={"membership": membership})
+        try:  # a model with remote experts finds them through the run's DHT
+            self.model = self.task.model(seed=0, dht=self.dht).to(self.device)  # before its optimizer sees it
+        except BaseException:
+            self.dht.shutdown()
+            raise
+        self.mixtures = [m for m in self.model.modules() if hasattr(m, "take_stats")]
+        self._moe_totals = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min"), 0)
+        optimizer = self.task.make_optimizer(self.model.parameters())
+        scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
         self.optimizer: CollaborativeOptimizer | MoshpitSGD
         if config.mode == "collaborative":
             self.optimizer = CollaborativeOptimizer(
@@ -150,7 +159,12 @@ class TrainingPeer:
                 if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
                     break
                 batch = _on(self.device, next(batches))
-                loss = self.task.loss(self.model, batch)
+                try:
+                    loss = self.task.loss(self.model, batch)
+                except NotEnoughExperts as e:  # remote experts out of reach: try again, never die of it
+                    logger.warning("step skipped: %s", e)
+                    self._stop.wait(0.5)
+                    continue
                 loss.backward()
                 losses.append(loss.item())
                 samples += self.task.batch_size
@@ -193,12 +207,30 @@ class TrainingPeer:
         logger.info("epoch %d loss %.4f samples/s %.1f peers %d", self.epoch, loss, samples_per_second, peers)
         record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
                   "time": time.time()}
+        record.update(self._moe_record())
         if self._report is not None or self.config.param_digests:  # hashing every parameter is not free
             record["params"] = params_digest(list(self.model.parameters()))
         self.history.append(record)
         if self._report is not None:
             self._report.write(json.dumps(record) + "\n")
             self._report.flush()
+
+    def _moe_record(self) -> dict:
+        """The mixtures' forward passes since the last record and the fraction whose every row got
+        k_min answers (nothing for a model without remote experts, or without calls)."""
+        if not self.mixtures:
+            return {}
+        taken = [m.take_stats() for m in self.mixtures]
+        window = {key: sum(t[key] for t in taken) for key in self._moe_totals}
+        for key, value in window.items():
+            self._moe_totals[key] += value
+        if not window["calls"]:
+            return {}
+        return {"moe_calls": window["calls"], "kmin_fraction": window["calls_meeting_k_min"] / window["calls"]}
+
+    def moe_stats(self) -> dict[str, int]:
+        """The mixtures' forward passes since the start, up to the last epoch record (cumulative)."""
+        return dict(self._moe_totals)
 
     def _peers(self) -> int:
         opt = self.optimizer

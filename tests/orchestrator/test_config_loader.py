@@ -51,6 +51,8 @@ def test_every_field_is_a_flag_of_its_kind(command, flags):
             assert action.choices == list(typing.get_args(kind))
         elif typing.get_origin(kind) is list:
             assert action.nargs == ("*" if info.get_default(call_default_factory=True) == [] else "+")
+        elif typing.get_origin(kind) is dict:
+            assert action.type("{}") == {} and action.metavar == "JSON"
         else:
             assert action.type is kind
 
@@ -104,10 +106,18 @@ def test_flags_override_the_file_and_an_empty_file_is_no_settings(tmp_path):
 
 def test_a_field_no_flag_can_carry_is_refused():
     class Odd(pydantic.BaseModel):
-        table: dict[str, int] = {}
+        pair: tuple[int, int] = (0, 0)
 
     with pytest.raises(TypeError, match="no command-line flag"):
         ModelFlags(Odd).add_arguments(argparse.ArgumentParser())
+
+
+def test_a_mapping_field_is_a_json_object_flag():
+    args = build_parser().parse_args(["worker", "--task-options", '{"layers": 1, "context": 8}'])
+    assert args.task_options == {"layers": 1, "context": 8}
+    for bad in ("[1]", "{layers: 1}"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["worker", "--task-options", bad])
 
 
 @pytest.mark.parametrize(("argv", "lines"), [
