@@ -17,8 +17,8 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/spotswarm demo --duration 150
+demo: $(STAMP)  # CONFIG=cluster_configs/local-moe.yaml runs the mixture-of-experts variant
+	$(BIN)/spotswarm demo --duration 150 $(if $(CONFIG),--config $(CONFIG))
 
 test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest

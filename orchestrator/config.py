@@ -7,7 +7,9 @@ expected; unknown keys are errors with a did-you-mean, so a typo never silently 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
+import math
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import pydantic
 
 from p2p.devices import DeviceName
 from workers.peer import WorkerConfig
+from workers.task import BUILTIN_TASKS
 
 from .config_loader import ConfigError as ConfigError  # raised for this module's configs by config_checks
 from .config_loader import Loc, ModelFlags, did_you_mean
@@ -229,6 +232,9 @@ class PreemptionModel(_Strict):
 
 
 class NodeType(_Strict):
+    # trainer: a training peer; experts: an expert server hosting the part of the run's expert grid
+    # that the supervisor assigns it (see the experts section)
+    role: Literal["trainer", "experts"] = "trainer"
     node_config: dict[str, Any] = {}
     resources: dict[str, float] = {}
     min_workers: int = pydantic.Field(0, ge=0)
@@ -266,6 +272,7 @@ class BudgetConfig(_Strict):
 
 class TrainingConfig(_Strict):
     task: str = "synthetic"
+    task_options: dict[str, Any] = {}  # keyword arguments of the task's factory (e.g. moe-charlm's layers, context)
     target_batch_size: int = pydantic.Field(256, gt=0)
     averaging: Literal["collaborative", "moshpit"] = "collaborative"
     group_size: int = pydantic.Field(16, ge=2)
@@ -277,6 +284,58 @@ class TrainingConfig(_Strict):
     param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
     # where workers train: auto is the instance's GPU when its node type has one (resources: {GPU: n})
     device: DeviceName = "auto"
+
+
+MOE_TASKS = ("moe-charlm",)  # built-in tasks whose feed-forward layers are the run's expert grid
+
+
+class ExpertsConfig(_Strict):
+    """The run's expert grid (mixture-of-experts runs): what the expert servers host and how the
+    trainers' mixtures call it."""
+
+    uid_prefix: str = pydantic.Field("ffn", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    grid: list[int] = pydantic.Field([2, 4], min_length=1, max_length=4)
+    kind: str = "ffn"  # a registered expert kind (experts/layers.py): ffn, transformer, nop
+    hidden_dim: int = pydantic.Field(64, gt=0)  # the experts' width: the model's width (moe-charlm's dim)
+    k_best: int = pydantic.Field(4, ge=1)
+    k_min: int = pydantic.Field(2, ge=0)
+    backward_k_min: int = pydantic.Field(1, ge=0)
+    forward_timeout_s: float = pydantic.Field(5.0, gt=0)
+    timeout_after_k_min_s: float = pydantic.Field(0.5, ge=0)
+    backward_timeout_s: float = pydantic.Field(5.0, gt=0)
+    replicas: int = pydantic.Field(2, ge=1)  # servers holding each expert: one preemption never removes one
+    average_every_s: float = pydantic.Field(10.0, ge=0)  # replicas average their parameters (0: never)
+    lr: float = pydantic.Field(1e-3, gt=0)
+    declare_period_s: float = pydantic.Field(2.0, gt=0)  # DHT re-declarations (real seconds)
+
+    @pydantic.field_validator("grid")
+    @classmethod
+    def _grid(cls, grid: list[int]) -> list[int]:
+        if any(n < 1 or n > 256 for n in grid):
+            raise ValueError(f"{grid}: every dimension of the grid is a number from 1 to 256")
+        return grid
+
+    @pydantic.model_validator(mode="after")
+    def _k(self) -> ExpertsConfig:
+        size = math.prod(self.grid)
+        if self.k_best > size:
+            raise ValueError(f"k_best ({self.k_best}) exceeds the grid's {size} experts")
+        if self.k_min > self.k_best or self.backward_k_min > self.k_best:
+            raise ValueError(f"k_min ({self.k_min}) and backward_k_min ({self.backward_k_min}) may not exceed "
+                             f"k_best ({self.k_best})")
+        return self
+
+    def uids(self) -> list[str]:
+        """Every expert of the grid, row-major: ``ffn.0.0``, ``ffn.0.1``, ..."""
+        return [".".join((self.uid_prefix, *map(str, coords)))
+                for coords in itertools.product(*(range(n) for n in self.grid))]
+
+    def task_options(self) -> dict[str, Any]:
+        """The mixture settings of a ``moe-charlm`` trainer."""
+        return {"dim": self.hidden_dim, "grid": list(self.grid), "uid_prefix": self.uid_prefix,
+                "k_best": self.k_best, "k_min": self.k_min, "backward_k_min": self.backward_k_min,
+                "forward_timeout": self.forward_timeout_s, "timeout_after_k_min": self.timeout_after_k_min_s,
+                "backward_timeout": self.backward_timeout_s}
 
 
 class CheckpointConfig(_Strict):
@@ -324,6 +383,25 @@ class ClusterConfig(_Strict):
     ray: RayConfig = RayConfig()
     network: NetworkConfig = NetworkConfig()
     membership: MembershipConfig = MembershipConfig()
+    experts: ExpertsConfig = ExpertsConfig()
+
+    @pydantic.model_validator(mode="after")
+    def _roles(self) -> ClusterConfig:
+        """Expert servers and an expert task come together, with servers enough for the replicas."""
+        servers = {name: nt for name, nt in self.fleet_types().items() if nt.role == "experts"}
+        if self.training.task in MOE_TASKS and not servers:
+            raise ValueError(f"training.task {self.training.task!r} calls the run's experts, but no node type has "
+                             "role: experts (add one to host the grid)")
+        if servers and self.training.task in BUILTIN_TASKS and self.training.task not in MOE_TASKS:
+            raise ValueError(f"node type(s) {', '.join(servers)} have role: experts, but training.task "
+                             f"{self.training.task!r} uses no experts (use task: moe-charlm)")
+        if servers and not self.trainer_types():
+            raise ValueError("every node type has role: experts; a run needs trainers too (role: trainer)")
+        most = sum(nt.max_workers for nt in servers.values())
+        if servers and self.experts.replicas > most:
+            raise ValueError(f"experts.replicas is {self.experts.replicas}, but at most {most} expert servers run "
+                             "(the sum of their max_workers): raise max_workers or lower replicas")
+        return self
 
     @pydantic.model_validator(mode="after")
     def _node_types(self) -> ClusterConfig:
@@ -361,13 +439,38 @@ class ClusterConfig(_Strict):
         """The fleet's size when every node type it launches runs ``max_workers``."""
         return sum(nt.max_workers for nt in self.fleet_types().values())
 
+    def trainer_types(self) -> dict[str, NodeType]:
+        """The fleet's node types that train (not expert servers)."""
+        return {name: nt for name, nt in self.fleet_types().items() if nt.role == "trainer"}
+
+    def max_trainers(self) -> int:
+        return sum(nt.max_workers for nt in self.trainer_types().values())
+
+    def role(self, node_type: str) -> str:
+        return self.available_node_types[node_type].role
+
+    def uses_experts(self) -> bool:
+        return any(nt.role == "experts" for nt in self.fleet_types().values())
+
     def worker_config(self, initial_peers: list[str], **extra: Any) -> WorkerConfig:
         t = self.training
+        options = {**(self.experts.task_options() if t.task in MOE_TASKS else {}), **t.task_options}
+        if options:
+            extra = {"task_options": options, **extra}
         return WorkerConfig(run=self.cluster_name, task=t.task, mode=t.averaging, initial_peers=initial_peers,
                             target_batch_size=t.target_batch_size, compression=t.compression,
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
                             moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
                             param_digests=t.param_digests, **extra)
+
+    def expert_host_config(self, initial_peers: list[str], **extra: Any) -> dict[str, Any]:
+        """An expert server's settings (``workers.expert_host.ExpertHostConfig``'s fields)."""
+        e = self.experts
+        return {"run": self.cluster_name, "initial_peers": initial_peers, "device": self.training.device,
+                "experts": {"uid_prefix": e.uid_prefix, "grid": list(e.grid), "kind": e.kind,
+                            "hidden_dim": e.hidden_dim, "lr": e.lr},
+                "declare_period": e.declare_period_s, "replica_average_every_s": e.average_every_s,
+                "averaging_timeout": self.training.averaging_timeout_s, **extra}
 
     def worker_gpus(self) -> dict[str, int]:
         """GPUs each node type's worker takes: one where the type has any and training may use it."""

@@ -103,6 +103,11 @@ async def api_costs(request: web.Request) -> web.Response:
     return web.json_response([asdict(g) for g in figures.cost_breakdown(store.instances(), now)])
 
 
+async def api_experts(request: web.Request) -> web.Response:
+    store, _, _ = _state(request)
+    return web.json_response([asdict(e) for e in figures.expert_rows(store)])
+
+
 async def prometheus(request: web.Request) -> web.Response:
     app = request.app
     body = metrics.render(app[STORE_KEY], lambda: _state(request)[1], app[LIVE_KEY])
@@ -125,7 +130,8 @@ def make_app(run_dir: Path, clock: Callable[[], float] | None = None, live: bool
     app.add_routes([web.get("/", page), web.get("/static/plotly.min.js", plotly_asset),
                     web.get("/api/summary", api_summary), web.get("/api/series", api_series),
                     web.get("/api/charts", api_charts), web.get("/api/instances", api_instances),
-                    web.get("/api/costs", api_costs), web.get("/metrics", prometheus)])
+                    web.get("/api/costs", api_costs), web.get("/api/experts", api_experts),
+                    web.get("/metrics", prometheus)])
     return app
 
 

@@ -149,6 +149,11 @@ class Headline:
     savings_percent: float | None
     dollars_per_million_samples: float | None
     dollars_per_hour: float  # what the instances alive now cost per hour
+    # mixture-of-experts runs only (None otherwise): the newest sample of the experts
+    experts_live: int | None = None
+    experts_grid: int | None = None
+    experts_min_replicas: int | None = None
+    kmin_fraction: float | None = None  # of the trainers' forward passes, since the run (or resume) began
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -169,10 +174,19 @@ def headline(store: RunStore, now: float, live: bool) -> Headline:
         savings_percent=100 * costs.savings / costs.on_demand_dollars if costs.on_demand_dollars else None,
         dollars_per_million_samples=costs.dollars_per_million_samples,
         dollars_per_hour=sum(i.price_per_hour for i in alive),
+        **_experts_headline(store),
     )
 
 
-HEADLINE_ROWS: list[tuple[str, Callable[[Headline], str]]] = [
+def _experts_headline(store: RunStore) -> dict:
+    rows = store.expert_rows()
+    if not rows:
+        return {}
+    _, live, grid, min_replicas, _, _, _, _, kmin = rows[-1]
+    return {"experts_live": live, "experts_grid": grid, "experts_min_replicas": min_replicas, "kmin_fraction": kmin}
+
+
+HEADLINE_ROWS: list[tuple[str, Callable[[Headline], str | None]]] = [
     ("state", lambda h: "running" if h.live else "stopped"),
     ("run time (s)", lambda h: f"{h.elapsed_s:,.0f}"),
     ("global epoch", lambda h: str(h.epoch)),
@@ -189,12 +203,17 @@ HEADLINE_ROWS: list[tuple[str, Callable[[Headline], str]]] = [
     ("$ per million samples", lambda h: f"${h.dollars_per_million_samples:.4f}"
      if h.dollars_per_million_samples is not None else "-"),
     ("burn rate ($/h)", lambda h: f"${h.dollars_per_hour:.3f}"),
+    ("experts live / grid", lambda h: f"{h.experts_live} / {h.experts_grid} (each on >= {h.experts_min_replicas} "
+     "servers)" if h.experts_grid is not None else None),
+    ("forward passes meeting k_min", lambda h: f"{100 * h.kmin_fraction:.2f}%"
+     if h.kmin_fraction is not None else None),
 ]
-"""The headline as (label, formatted value) rows: one wording for the terminal, the page and the report."""
+"""The headline as (label, formatted value) rows: one wording for the terminal, the page and the report
+(a row whose value is None does not apply to this run)."""
 
 
 def headline_rows(h: Headline) -> list[tuple[str, str]]:
-    return [(label, fmt(h)) for label, fmt in HEADLINE_ROWS]
+    return [(label, value) for label, fmt in HEADLINE_ROWS if (value := fmt(h)) is not None]
 
 
 # ---- instance table ----------------------------------------------------------------------------
@@ -217,6 +236,22 @@ def instance_rows(store: RunStore, now: float) -> list[InstanceRow]:
     return [InstanceRow(i.id, i.node_type, i.zone, i.market, i.price_per_hour, i.launched_at - start,
                         i.seconds(now), i.cost(now), i.end_reason or "running", i.notice_at is not None)
             for i in store.instances()]
+
+
+# ---- experts -----------------------------------------------------------------------------------
+@dataclass
+class ExpertRow:
+    uid: str
+    servers: list[str]  # the instances holding it, as the newest placement says
+
+
+def expert_rows(store: RunStore) -> list[ExpertRow]:
+    """Every expert of a mixture-of-experts run and where it lives now (empty for other runs)."""
+    placements = store.events("expert_placement")
+    if not placements:
+        return []
+    newest = json.loads(placements[-1][3])
+    return [ExpertRow(uid, list(servers)) for uid, servers in newest.items()]
 
 
 # ---- time series -------------------------------------------------------------------------------
@@ -294,6 +329,27 @@ def charts(store: RunStore, now: float) -> list[Chart]:
         Chart("dollars_per_million", "Dollars per million samples", "$ / 1M samples", [per_million]),
         Chart("savings", "Savings against on-demand", "$ saved",
               [Trace("saved", rel, [od - s for od, s in zip(on_demand, spot, strict=True)])]),
+        *_expert_charts(store, start, now),
+    ]
+
+
+def _expert_charts(store: RunStore, start: float, now: float) -> list[Chart]:
+    """A mixture-of-experts run's experts: how many of the grid are live and on how many servers,
+    the servers' load, and how many of the trainers' forward passes met k_min."""
+    rows = [r for r in store.expert_rows() if r[0] <= now]
+    if not rows:
+        return []
+    t = [r[0] - start for r in rows]
+
+    def trace(name: str, column: int, scale: float = 1.0) -> Trace:
+        kept = [(x, r[column]) for x, r in zip(t, rows, strict=True) if r[column] is not None]
+        return Trace(name, [x for x, _ in kept], [v * scale for _, v in kept])
+    return [
+        Chart("experts", "Experts live and their replicas", "experts / servers",
+              [trace("experts live", 1), trace("grid", 2), trace("fewest replicas", 3), trace("mean replicas", 4)]),
+        Chart("expert_load", "Expert servers' load", "requests/s, rows/batch",
+              [trace("requests/s (all servers)", 5), trace("rows per batch", 6)]),
+        Chart("kmin", "Forward passes meeting k_min", "%", [trace("meeting k_min", 8, 100.0)]),
     ]
 
 

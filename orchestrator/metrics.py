@@ -51,6 +51,11 @@ class RunCollector(Collector):
         yield from gauge("spotswarm_savings_dollars", "on-demand counterfactual minus dollars spent",
                          h.savings_dollars)
         yield from gauge("spotswarm_dollars_per_hour", "hourly price of the instances up now", h.dollars_per_hour)
+        yield from gauge("spotswarm_experts_live", "experts of the grid with a live server (MoE runs)", h.experts_live)
+        yield from gauge("spotswarm_experts_min_replicas", "servers holding the least-held expert (MoE runs)",
+                         h.experts_min_replicas)
+        yield from gauge("spotswarm_kmin_fraction", "forward passes whose every row got k_min answers (MoE runs)",
+                         h.kmin_fraction)
 
         labels = [*run, "node_type", "zone", "market"]
         live_instances = GaugeMetricFamily("spotswarm_live_instances", "instances up now", labels=labels)

@@ -87,7 +87,7 @@ class FleetPolicy:
     """Keeps a run's fleet at the size its config asks for, within its budget."""
 
     def __init__(self, config: ClusterConfig, provider: NodeProvider, clock: Callable[[], float], store: RunStore,
-                 workers: WorkerControl, worker_args: Callable[[], dict[str, Any]],
+                 workers: WorkerControl, worker_args: Callable[[str], dict[str, Any]],
                  boot_script: Callable[[LaunchSpec], str | None] = lambda spec: None,
                  to_real: Callable[[float], float] = lambda s: s, max_calls: int = 16) -> None:
         self.config = config
@@ -95,7 +95,7 @@ class FleetPolicy:
         self.clock = clock
         self.store = store
         self.workers = workers
-        self.worker_args = worker_args
+        self.worker_args = worker_args  # node type -> what its worker starts with (a trainer or an expert server)
         self.boot_script = boot_script
         self.to_real = to_real  # simulated seconds -> the workers' real seconds
         self.pending: list[_Pending] = []
@@ -165,7 +165,7 @@ class FleetPolicy:
 
     def _ensure_worker(self, inst: Instance) -> str:
         running = self.workers.running(inst)
-        return running["peer_id"] if running else self.workers.place(inst, self.worker_args())
+        return running["peer_id"] if running else self.workers.place(inst, self.worker_args(inst.node_type))
 
     @property
     def launching(self) -> int:
@@ -449,7 +449,7 @@ class FleetPolicy:
                               tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
                                     NODE_TYPE_TAG: p.node_type},
                               node_config=dict(node_type.node_config), resources=dict(node_type.resources),
-                              sequence=index, worker_args=self.worker_args(),
+                              sequence=index, worker_args=self.worker_args(p.node_type),
                               certify=_certifier_for(self.workers, instance_id))
             spec.boot_script = self.boot_script(spec)
             # once: cloud providers retry transient errors themselves, and a failure backs off
@@ -466,7 +466,7 @@ class FleetPolicy:
             self._ended(inst.id, "budget")
             self._submit("release", inst, self._release, inst)
         elif place and not inst.hosts_worker:
-            self._submit("place", inst, self.workers.place, inst, self.worker_args())
+            self._submit("place", inst, self.workers.place, inst, self.worker_args(inst.node_type))
 
     def _release(self, inst: Instance) -> None:
         try:

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -41,7 +42,8 @@ class WorkerActor:
         from p2p import Identity
 
         self.identity = Identity()  # made here, so the run's certificate can name it before training starts
-        self.peer: Any = None
+        self.peer: Any = None  # a TrainingPeer (role trainer) ...
+        self.host: Any = None  # ... or an ExpertHost (role experts)
         self.thread: threading.Thread | None = None
         self.left = threading.Event()
         self.watcher: Any = None
@@ -49,22 +51,31 @@ class WorkerActor:
         self.rebalance_at: float | None = None
 
     def start(self, worker_args: dict, watch: dict | None = None) -> dict:
-        """Start training; ``watch`` ({"kind": "aws"|"gcp", "interval_s": ..., for gcp "deadline_s"},
-        see ``notices.instance_watch``) also watches this machine's metadata for its preemption
-        notice (cloud instances), so the worker leaves in time even when nobody else could tell it."""
-        from workers.peer import TrainingPeer, WorkerConfig  # imported here: only instances need torch
-
+        """Start training (or, with ``"role": "experts"`` in the arguments, serving experts); ``watch``
+        ({"kind": "aws"|"gcp", "interval_s": ..., for gcp "deadline_s"}, see ``notices.instance_watch``)
+        also watches this machine's metadata for its preemption notice (cloud instances), so the
+        worker leaves in time even when nobody else could tell it."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args = dict(worker_args)
+        role = args.pop("role", "trainer")
         args["announce_host"] = announce_host(args.get("host", "127.0.0.1"), args.get("announce_host"))
-        self.peer = TrainingPeer(WorkerConfig(**args), identity=self.identity)
-        self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
-        self.thread.start()
+        if role == "experts":
+            from workers.expert_host import ExpertHost, ExpertHostConfig  # imported here: only instances need torch
+
+            self.host = ExpertHost(ExpertHostConfig(**args), identity=self.identity)
+            address = self.host.address
+        else:
+            from workers.peer import TrainingPeer, WorkerConfig
+
+            self.peer = TrainingPeer(WorkerConfig(**args), identity=self.identity)
+            self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
+            self.thread.start()
+            address = self.peer.address
         if watch is not None:
             from .notices import start_watcher
 
             self.watcher = start_watcher(watch, self._on_instance_notice)
-        return {"pid": os.getpid(), "peer_id": str(self.peer.dht.peer_id), "address": self.peer.address,
+        return {"pid": os.getpid(), "peer_id": str(self.identity.peer_id), "address": address,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def peer_id(self) -> str:
@@ -72,16 +83,26 @@ class WorkerActor:
 
     def renew(self, token: str) -> None:
         """A fresh membership certificate from the supervisor, before the current one expires."""
-        if self.peer is not None and not self.left.is_set():
+        if self.left.is_set():
+            return
+        if self.peer is not None:
             self.peer.renew_membership(token)
+        elif self.host is not None:
+            self.host.renew_membership(token)
 
     def notice(self, deadline_s: float) -> None:
-        """A preemption notice: keep training through most of it, then leave gracefully in the
-        background, all within ``deadline_s``."""
+        """A preemption notice: keep training (or serving experts, whose state the supervisor is
+        copying elsewhere meanwhile) through most of it, then leave gracefully in the background,
+        all within ``deadline_s``."""
         def leave() -> None:
             try:
-                # the last quarter is for finishing a round and withdrawing our records
-                self.peer.prepare_to_leave(deadline=deadline_s, train_for=0.75 * deadline_s)
+                if self.host is not None:  # replicated experts are not withdrawn: the others' records take over
+                    self.host.leaving()
+                    self.left.wait(0.75 * deadline_s)
+                    self.host.shutdown(withdraw=False)
+                elif self.peer is not None:
+                    # the last quarter is for finishing a round and withdrawing our records
+                    self.peer.prepare_to_leave(deadline=deadline_s, train_for=0.75 * deadline_s)
             finally:
                 self.left.set()
         threading.Thread(target=leave, name="leaving", daemon=True).start()
@@ -98,23 +119,54 @@ class WorkerActor:
         self.notice(max(notice.deadline_s * 0.8, 0.5))
 
     def status(self) -> dict:
-        peer = self.peer
-        return {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(),
-                "notice": self.instance_notice, "rebalance_at": self.rebalance_at,
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "peer_id": str(peer.dht.peer_id) if peer else None, "address": peer.address if peer else None}
+        peer, host = self.peer, self.host
+        status = {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(),
+                  "notice": self.instance_notice, "rebalance_at": self.rebalance_at,
+                  "node_id": ray.get_runtime_context().get_node_id(),
+                  "peer_id": str(peer.dht.peer_id) if peer else None, "address": peer.address if peer else None}
+        if host is not None:
+            status.update(role="experts", peer_id=host.peer_id, address=host.address, hosted=host.hosted())
+        return status
 
     def history(self) -> list[dict]:
         """The peer's per-epoch records (epoch, loss, samples/s, parameter digest)."""
         return list(self.peer.history) if self.peer is not None else []
 
+    # ---- mixture-of-experts runs ---------------------------------------------------------------
+    def assign(self, uids: list[str], donors: dict[str, list[str]], checkpoints: dict[str, bytes]) -> list[dict]:
+        """Host these experts, each loaded from a live replica, else its checkpoint, else fresh."""
+        return [asdict(h) for h in self.host.assign(uids, donors=donors, checkpoints=checkpoints)]
+
+    def unassign(self, uids: list[str], withdraw: bool = True, linger: float = 0.0) -> None:
+        self.host.unassign(uids, withdraw=withdraw, linger=linger)
+
+    def redeclare(self) -> None:
+        self.host.redeclare()
+
+    def expert_states(self, uids: list[str]) -> dict[str, bytes]:
+        return self.host.states(uids)
+
+    def params_checksums(self) -> dict[str, str]:
+        return self.host.params_checksums() if self.host is not None else {}
+
+    def expert_stats(self) -> dict:
+        """An expert server's load; a trainer's mixture calls (how many met k_min)."""
+        if self.host is not None:
+            return {"role": "experts", "hosted": self.host.hosted(), **self.host.stats()}
+        moe = self.peer.moe_stats() if self.peer is not None else {}
+        return {"role": "trainer", **moe}
+
     def stop(self) -> None:
         """Graceful stop without a notice period (a release, not a preemption)."""
         if self.watcher is not None:
             self.watcher.stop()
-        if self.peer is not None and not self.left.is_set():
+        if self.left.is_set():
+            return
+        if self.host is not None:
+            self.host.shutdown(withdraw=True)
+        elif self.peer is not None:
             self.peer.prepare_to_leave(deadline=10.0)
-            self.left.set()
+        self.left.set()
 
 
 def spawn_worker(instance_id: str, resources: dict[str, float], detached: bool, num_gpus: int = 0) -> Any:
@@ -142,9 +194,9 @@ class RayWorkers:
         self._handles: dict[str, Any] = {}  # instance id -> its worker actor (a name lookup is a GCS call)
 
     def _actor(self, instance: Instance) -> Any:
-        return self._handle(instance.id)
+        return self.handle(instance.id)
 
-    def _handle(self, instance_id: str) -> Any:
+    def handle(self, instance_id: str) -> Any:
         """The instance's worker actor; raises ValueError when it has none."""
         handle = self._handles.get(instance_id)
         if handle is None:
@@ -180,7 +232,7 @@ class RayWorkers:
     def renew(self, instance_id: str, token: str) -> None:
         """Hand a worker its renewed certificate (never waits)."""
         try:
-            self._handle(instance_id).renew.remote(token)
+            self.handle(instance_id).renew.remote(token)
         except ValueError:
             logger.debug("no worker on %s to renew", instance_id)
 
@@ -196,7 +248,7 @@ class RayWorkers:
         for instance_id in instance_ids:
             if instance_id not in checks:
                 try:
-                    checks[instance_id] = self._handle(instance_id).status.remote()
+                    checks[instance_id] = self.handle(instance_id).status.remote()
                 except ValueError:
                     continue
         if not checks:

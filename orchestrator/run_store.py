@@ -29,6 +29,11 @@ CREATE TABLE IF NOT EXISTS progress (
     samples INTEGER
 );
 CREATE TABLE IF NOT EXISTS checkpoints (time REAL NOT NULL, epoch INTEGER NOT NULL, path TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS experts (
+    time REAL NOT NULL, live INTEGER NOT NULL, grid INTEGER NOT NULL, min_replicas INTEGER NOT NULL,
+    mean_replicas REAL NOT NULL, requests_per_second REAL, rows_per_batch REAL, calls INTEGER NOT NULL,
+    kmin_fraction REAL
+);
 CREATE INDEX IF NOT EXISTS events_time ON events(time);
 CREATE INDEX IF NOT EXISTS progress_epoch ON progress(epoch);
 """
@@ -117,6 +122,19 @@ class RunStore:
         self.db.execute("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
                         (self.clock(), epoch, loss, samples_per_second, peers, samples))
         self.db.commit()
+
+    def expert_sample(self, live: int, grid: int, min_replicas: int, mean_replicas: float,
+                      requests_per_second: float | None, rows_per_batch: float | None, calls: int,
+                      kmin_fraction: float | None) -> None:
+        """One sample of a mixture-of-experts run's experts: how many of the grid are live, their
+        replicas, the servers' load, and the fraction of the trainers' forward passes that met k_min."""
+        self.db.execute("INSERT INTO experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (self.clock(), live, grid, min_replicas, mean_replicas, requests_per_second,
+                         rows_per_batch, calls, kmin_fraction))
+        self.db.commit()
+
+    def expert_rows(self) -> list[tuple]:
+        return self.db.execute("SELECT * FROM experts ORDER BY time").fetchall()
 
     def checkpoint(self, epoch: int, path: Path) -> None:
         self.db.execute("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))

@@ -32,6 +32,7 @@ from .authority import Certifier, run_authority
 from .bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from .config import ClusterConfig
 from .durable import BackgroundArchiver, RunArchive
+from .expert_fleet import ExpertFleet
 from .notices import instance_watch
 from .policy import FleetPolicy
 from .providers import Instance, LaunchSpec, make_provider
@@ -88,6 +89,9 @@ class SupervisorCore:
                                   self._worker_control(), self._worker_args, boot_script=self._boot_script,
                                   to_real=self.clock.to_real)
         self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
+        self.experts = ExpertFleet(config, self.store, lambda: self.policy.live, lambda: self.policy.noticed,
+                                   self.policy.workers.handle, self._checkpoint_dir(), self.clock) \
+            if config.uses_experts() else None
         self.epoch = self.store.latest_epoch()
         self._first_seen: dict[str, int] = {}  # instance id -> the epoch its peer first reported
         self._last_checkpoint = self.clock()
@@ -170,8 +174,12 @@ class SupervisorCore:
     def budget_exhausted(self) -> bool:
         return self.policy.budget_exhausted
 
-    def _worker_args(self) -> dict[str, Any]:
+    def _worker_args(self, node_type: str) -> dict[str, Any]:
+        """What the worker of a ``node_type`` instance starts with: a trainer's or an expert server's settings."""
         net = self.config.network
+        if self.config.role(node_type) == "experts":
+            return {"role": "experts", **self.config.expert_host_config([self.address], host=self.config.listen_host(),
+                                                                         announce_host=net.announce_host)}
         return self.config.worker_config([self.address], host=self.config.listen_host(),
                                          announce_host=net.announce_host).model_dump()
 
@@ -243,6 +251,8 @@ class SupervisorCore:
         if job is not None and job.done() and not job.cancelled():
             self._record_checkpoint(job)
         if release:
+            if self.experts is not None:
+                self.experts.final_checkpoint()
             self.policy.release_all()
         self.policy.shutdown()
         self.store.event("supervisor_stop" if release else "supervisor_detach")
@@ -262,6 +272,8 @@ class SupervisorCore:
     def tick(self) -> None:
         now = self.clock()
         self.policy.tick()
+        if self.experts is not None:
+            self.experts.tick()
         self._renew_certificates()
         self._record_progress()
         self._maybe_checkpoint(now)
@@ -408,6 +420,7 @@ class SupervisorCore:
             "live": len(policy.live), "pending": len(policy.pending) + policy.launching, "epoch": self.epoch,
             "address": self.address, "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
             "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
+            "experts": self.experts.summary() if self.experts is not None else None,
         }
 
 

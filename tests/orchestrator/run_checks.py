@@ -150,7 +150,7 @@ def fleet_policy(config: ClusterConfig, provider_cls: Callable, live: int = 0) -
     from orchestrator.run_store import RunStore
 
     policy = FleetPolicy(config, provider_cls(config, time.time), time.time, RunStore.create(config),
-                         RecordingWorkers(), dict)
+                         RecordingWorkers(), lambda node_type: {})
     try:
         if live:
             tick_until(policy, lambda p: len(p.live) == live, "policy did not get there")

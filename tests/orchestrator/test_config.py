@@ -275,7 +275,7 @@ def test_a_collaborative_fleet_larger_than_a_group_is_an_error(tmp_path):
     path = write(tmp_path, GOOD.replace("max_workers: 2", "max_workers: 5").replace(
         "  task: synthetic", "  task: synthetic\n  group_size: 4"))
     [error] = errors_of(path)
-    assert error.startswith(f"{path}:10: training.group_size: 4 is less than the fleet's largest size, 5 instances")
+    assert error.startswith(f"{path}:10: training.group_size: 4 is less than the fleet's largest size, 5 trainers")
     moshpit = path.read_text().replace("  task: synthetic", "  task: synthetic\n  averaging: moshpit")
     assert load_cluster_config(write(tmp_path, moshpit)).training.group_size == 4
 

@@ -210,7 +210,7 @@ class Rig:
         if workers is not None:
             self.workers = workers
         policy = FleetPolicy(self.config, self.provider, self.clock, self.store, self.workers,
-                             worker_args=lambda: {"run": self.config.cluster_name}, max_calls=max_calls)
+                             worker_args=lambda node_type: {"run": self.config.cluster_name}, max_calls=max_calls)
         self.policies.append(policy)
         return policy
 
@@ -615,7 +615,7 @@ def test_the_head_node_type_is_never_launched(make_rig: Callable[..., Rig]) -> N
     """The head is where the supervisor runs; its node type is not part of the fleet."""
     rig = make_rig(max_workers=2)
     config = rig.config.model_copy(update={"head_node_type": NODE})
-    policy = FleetPolicy(config, rig.provider, rig.clock, rig.store, rig.workers, worker_args=dict)
+    policy = FleetPolicy(config, rig.provider, rig.clock, rig.store, rig.workers, worker_args=lambda node_type: {})
     rig.policies.append(policy)
     rig.policies[0].shutdown()
     settle(policy)
