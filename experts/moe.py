@@ -96,12 +96,22 @@ class RemoteMixtureOfExperts(nn.Module):
         self.output_schema: TensorSchema | None = None
         self.last_call: MixtureCallReport | None = None
         self._stats = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min"), 0)
+        self._last_short_log = float("-inf")
 
     def take_stats(self) -> dict[str, int]:
         """Forward passes and rows since the last call, and how many got ``k_min`` answers (every row
         of a pass, for the pass); resets the counts.  For the trainer's k_min statistics."""
         stats, self._stats = self._stats, dict.fromkeys(self._stats, 0)
         return stats
+
+    def _log_short(self, short: int, rows: int, failures: dict) -> None:
+        """Why rows missed k_min, at most once every 10 s (a run that loses a server would log every call)."""
+        now = time.monotonic()
+        if now - self._last_short_log < 10.0:
+            return
+        self._last_short_log = now
+        logger.info("mixture %r: %d of %d rows got fewer than k_min=%d answers; %s", self.uid_prefix, short, rows,
+                    self.k_min, _short(failures) or "fewer experts found than k_min")
 
     def _count(self, rows: int, short: int) -> None:
         self._stats["calls"] += 1
@@ -295,6 +305,8 @@ class _RemoteMixtureCall(torch.autograd.Function):
             counts[r_idx] += 1
         short = np.flatnonzero(counts < layer.k_min)
         layer._count(rows, len(short))
+        if len(short):
+            layer._log_short(len(short), rows, failures)
         if len(short) and not layer.allow_zero_outputs:
             raise NotEnoughExperts(
                 f"{len(short)} of {rows} rows got fewer than k_min={layer.k_min} expert answers "

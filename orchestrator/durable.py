@@ -2,7 +2,8 @@
 resumed anywhere from ``checkpoint.uri``.
 
 Layout under ``s3://bucket/prefix``: ``history/run.sqlite`` (a consistent snapshot of the run
-store), ``history/config.yaml`` and ``checkpoints/<name>`` (the newest ``checkpoint.keep``).  The
+store), ``history/config.yaml``, ``checkpoints/<name>`` (the newest ``checkpoint.keep``) and, for a
+mixture-of-experts run, ``experts/<uid>.pt`` (each expert's newest state).  The
 local run directory stays the working copy; the archive is what survives the machine.  boto3 is an
 optional extra (``spotswarm[aws]``), imported only when an archive is used.
 """
@@ -185,6 +186,12 @@ class RunArchive:
         """Archived checkpoint names, newest first."""
         return _newest_first(self._list("checkpoints"))
 
+    def save_experts(self, directory: Path) -> None:
+        """Upload the expert checkpoints of a mixture-of-experts run (``<uid>.pt``, one per expert,
+        each replaced by its newer state)."""
+        for path in sorted(Path(directory).glob("*.pt")):
+            self._upload(path, self.key("experts", path.name))
+
     # ---- history -------------------------------------------------------------------------------
     def save_history(self, store: RunStore | Path) -> None:
         """Upload a consistent snapshot of the run store and its config.  The snapshot comes from
@@ -220,6 +227,11 @@ class RunArchive:
         newest = next(iter(self.checkpoints()), None)
         if newest is not None:
             self._download(self.key("checkpoints", newest), run_dir / "checkpoints" / newest)
+        experts = [name for name in self._list("experts") if name.endswith(".pt")]
+        if experts:
+            (run_dir / "checkpoints" / "experts").mkdir(exist_ok=True)
+        for name in experts:  # a mixture-of-experts run's experts resume from these
+            self._download(self.key("experts", name), run_dir / "checkpoints" / "experts" / name)
         self._download(self.key("history", "config.yaml"), run_dir / "config.yaml")
         staged = run_dir / "run.sqlite.restore"
         self._download(self.key("history", "run.sqlite"), staged)
@@ -285,13 +297,17 @@ class BackgroundArchiver:
         self._running = False
         self._closed = False
         self._checkpoint: Path | None = None
+        self._experts: Path | None = None
         self._history = False
 
-    def submit(self, checkpoint: Path | None = None) -> None:
-        """Owe the history (and ``checkpoint``, if given) to the archive; returns at once."""
+    def submit(self, checkpoint: Path | None = None, experts: Path | None = None) -> None:
+        """Owe the history (and ``checkpoint``, and the expert checkpoints in ``experts``, if given)
+        to the archive; returns at once."""
         with self._lock:
             if checkpoint is not None:
                 self._checkpoint = checkpoint
+            if experts is not None:
+                self._experts = experts
             self._history = True
             if self._running or self._closed:
                 return  # the running upload loop takes it next (or, closed, nobody: the run is stopping)
@@ -302,7 +318,7 @@ class BackgroundArchiver:
     def retry(self) -> None:
         """Upload again what an earlier upload left owed, if anything."""
         with self._lock:
-            owed = self._history or self._checkpoint is not None
+            owed = self._history or self._checkpoint is not None or self._experts is not None
         if owed:
             self.submit()
 
@@ -317,7 +333,7 @@ class BackgroundArchiver:
     @property
     def owed(self) -> bool:
         with self._lock:
-            return self._history or self._checkpoint is not None
+            return self._history or self._checkpoint is not None or self._experts is not None
 
     def close(self) -> None:
         """No more uploads; one still running finishes on its own (bounded by the S3 timeouts)."""
@@ -328,15 +344,17 @@ class BackgroundArchiver:
     def _drain(self) -> None:
         while True:
             with self._lock:
-                checkpoint, history = self._checkpoint, self._history
-                self._checkpoint, self._history = None, False
-                if checkpoint is None and not history:
+                checkpoint, experts, history = self._checkpoint, self._experts, self._history
+                self._checkpoint, self._experts, self._history = None, None, False
+                if checkpoint is None and experts is None and not history:
                     self._running = False
                     self._idle.set()
                     return
             try:
                 if checkpoint is not None and checkpoint.exists():  # gone: a newer one replaced it locally
                     self.archive.save_checkpoint(checkpoint)
+                if experts is not None:
+                    self.archive.save_experts(experts)
                 if history:
                     self.archive.save_history(self.run_dir)
             except Exception as e:  # never the supervisor's problem: it goes again at the next checkpoint
@@ -345,6 +363,7 @@ class BackgroundArchiver:
                 with self._lock:
                     self.failures += 1
                     self._checkpoint = self._checkpoint or checkpoint
+                    self._experts = self._experts or experts
                     self._history = self._history or history
                     self._running = False
                     self._idle.set()

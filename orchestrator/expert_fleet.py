@@ -44,7 +44,7 @@ class ExpertFleet:
 
     def __init__(self, config: ClusterConfig, store: RunStore, live: Callable[[], dict[str, Instance]],
                  noticed: Callable[[], set[str]], actor: Callable[[str], Any], checkpoint_dir: Path,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], archive: Callable[[Path], None] | None = None) -> None:
         self.config = config
         self.settings = config.experts
         self.uids = config.experts.uids()
@@ -54,10 +54,12 @@ class ExpertFleet:
         self.actor = actor  # instance id -> its worker actor (ValueError when it has none)
         self.directory = checkpoint_dir / "experts"
         self.clock = clock
+        self.archive = archive  # hands the expert checkpoints to the run's archive (checkpoint.uri)
         self.addresses: dict[str, str] = {}  # expert server -> its endpoint, once it is up
         self.holders: dict[str, set[str]] = {uid: set() for uid in self.uids}
         self.calls: list[_Call] = []
         self.moves: dict[tuple[str, str], str] = {}
+        self._noticed_seen: set[str] = set()
         self._last_checkpoint = clock()
         self._next_stats = 0.0
         self._server_totals: dict[str, dict] = {}  # newest stats answer of each server (and trainer)
@@ -73,6 +75,7 @@ class ExpertFleet:
     def tick(self) -> None:
         self._collect()
         self._forget_gone()
+        self._redeclare_for_noticed()
         self._ask_addresses()
         if not any(c.kind in ("assign", "unassign") for c in self.calls):
             self._place()
@@ -134,6 +137,8 @@ class ExpertFleet:
             tmp.write_bytes(data)
             tmp.replace(path)  # atomic: a crash never leaves half a checkpoint
         self.store.event("expert_checkpoint", call.instance_id, {"experts": sorted(states)})
+        if self.archive is not None:
+            self.archive(self.directory)  # uploaded in the background: the tick never waits on S3
 
     def _on_stats(self, call: _Call, stats: dict) -> None:
         self._server_totals[call.instance_id] = stats
@@ -159,6 +164,17 @@ class ExpertFleet:
         if gone:
             self._record_placement()
 
+    def _redeclare_for_noticed(self) -> None:
+        """A noticed server stops declaring; the other holders of its experts declare now, so the
+        records name them well before the kill."""
+        noticed = {i for i in self.noticed() if i in self.addresses} - self._noticed_seen
+        if not noticed:
+            return
+        self._noticed_seen |= noticed
+        others = {h for uid, holders in self.holders.items() if holders & noticed for h in holders} - noticed
+        for holder in others:
+            self._send("redeclare", holder, "redeclare")
+
     def _on_redeclare(self, call: _Call, result: Any) -> None:
         pass
 
@@ -176,8 +192,8 @@ class ExpertFleet:
         plan = plan_placement(self.uids, self.settings.replicas, self.holders, usable)
         for server, uids in plan.assign.items():
             donors = {uid: self._donors(uid, server, leaving) for uid in uids}
-            checkpoints = {uid: self._checkpoint(uid) for uid in uids if not donors[uid]}
-            checkpoints = {uid: data for uid, data in checkpoints.items() if data is not None}
+            # the checkpoint too, for when every donor dies before it hands the state over
+            checkpoints = {uid: data for uid in uids if (data := self._checkpoint(uid)) is not None}
             if self._send("assign", server, "assign", uids, donors, checkpoints):
                 for uid in uids:
                     if (server, uid) in plan.moves:

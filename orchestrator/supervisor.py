@@ -90,7 +90,8 @@ class SupervisorCore:
                                   to_real=self.clock.to_real)
         self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
         self.experts = ExpertFleet(config, self.store, lambda: self.policy.live, lambda: self.policy.noticed,
-                                   self.policy.workers.handle, self._checkpoint_dir(), self.clock) \
+                                   self.policy.workers.handle, self._checkpoint_dir(), self.clock,
+                                   archive=(lambda d: self.archiver.submit(experts=d)) if self.archiver else None) \
             if config.uses_experts() else None
         self.epoch = self.store.latest_epoch()
         self._first_seen: dict[str, int] = {}  # instance id -> the epoch its peer first reported

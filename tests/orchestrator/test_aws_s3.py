@@ -106,6 +106,27 @@ def test_archive_round_trip_restores_rows_the_newest_checkpoint_and_keeps_only_k
         archive.restore(fresh)  # never over a run that is there
 
 
+def test_expert_checkpoints_are_archived_in_the_background_and_restored(tmp_path, config, bucket):
+    archive = RunArchive.for_config(config)
+    store = RunStore.create(config)
+    fill_store(store, archive, epochs=(1,))
+    experts = store.dir / "checkpoints" / "experts"
+    experts.mkdir()
+    contents = {f"ffn.0.{j}.pt": bytes([j]) * (100 + j) for j in range(3)}
+    for name, data in contents.items():
+        (experts / name).write_bytes(data)
+    archiver = BackgroundArchiver(archive, store.dir)
+    archiver.submit(experts=experts)
+    assert archiver.flush(30)  # the history after it, and nothing left owed
+    archiver.close()
+    store.close()
+    assert archived_names(bucket, "experts") == sorted(contents)
+    fresh = tmp_path / "elsewhere" / "r"
+    assert archive.restore(fresh) == 1
+    restored = {p.name: p.read_bytes() for p in (fresh / "checkpoints" / "experts").iterdir()}
+    assert restored == contents
+
+
 def test_a_checkpoint_archived_after_the_last_history_snapshot_is_still_restored(tmp_path, config):
     archive = RunArchive.for_config(config)
     store = RunStore.create(config)
