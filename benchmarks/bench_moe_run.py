@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--window-s", type=float, default=120.0)
     parser.add_argument("--lifetime-steps", type=float, default=20.0, help="mean server lifetime, in global steps")
-    parser.add_argument("--notice-s", type=float, default=2.0, help="real seconds between notice and kill")
+    parser.add_argument("--notice-s", type=float, default=3.0, help="real seconds between notice and kill")
     parser.add_argument("--target-batch", type=int, default=None,
                         help="global batch per step, which sets E (default 1024; quick 256)")
     parser.add_argument("--limit-s", type=float, default=None, help="the child's time limit")
