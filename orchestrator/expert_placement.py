@@ -7,7 +7,6 @@ replica, so its experts get new homes while it can still hand their state over.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -61,7 +60,3 @@ def plan_placement(uids: list[str], replicas: int, holders: dict[str, set[str]],
         plan.moves[(empty, uid)] = full
     return plan
 
-
-def balanced_load(experts: int, replicas: int, servers: int) -> int:
-    """The most experts a server holds when the grid is spread evenly."""
-    return math.ceil(experts * min(replicas, servers) / servers) if servers else 0
