@@ -19,7 +19,8 @@ has its replicas and the trainers finished their first epoch.  Figures:
   in the window), the fraction in which every row got k_min answers;
 - ``loss_ratio``: the preempted run's loss at epoch N over the steady run's at the same epoch, N
   the last epoch both reached (each run starts from the same weights and data order);
-- preemptions of expert servers, hand-offs from a live replica / a checkpoint / fresh.
+- preemptions of expert servers in the window, hand-offs from a live replica / a checkpoint / fresh
+  (all of the run), and calls that went to another replica after one failed.
 
 The child has a time limit (``--limit-s``; past it it is killed with its whole tree, and the table
 says so).  ``--quick``: 4-s windows, a smoke test (a few epochs each: its ratios are rough).
@@ -93,6 +94,21 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)  # polling the run for a condition, bounded
 
 
+def cpu_seconds(core: Any) -> dict[str, float]:
+    """CPU seconds used so far by the machine (every core, busy time) and by the trainers' processes."""
+    import psutil
+
+    times = psutil.cpu_times()
+    trainers = 0.0
+    for instance_id, process in list(core.policy.provider.processes.items()):
+        if instance_id in core.policy.provider.instances and \
+                core.policy.provider.instances[instance_id].node_type == "trn":
+            with contextlib.suppress(psutil.Error):
+                t = process.cpu_times()
+                trainers += t.user + t.system
+    return {"machine": times.user + times.system + getattr(times, "nice", 0.0), "trainers": trainers}
+
+
 def one_run(base: Path, name: str, window_s: float, lifetime_s: float | None, notice_s: float,
             target_batch: int) -> dict:
     """One run under a supervisor in this process: its figures over ``window_s`` real seconds."""
@@ -109,9 +125,12 @@ def one_run(base: Path, name: str, window_s: float, lifetime_s: float | None, no
         replicas = config.experts.replicas
         _wait(lambda: core.experts.summary()["min_replicas"] >= replicas, 120, "every expert placed")
         _wait(lambda: _rows(run_dir, "SELECT 1 FROM progress"), 120, "the first epoch")
-        start, t0 = core.experts.summary(), core.clock()
+        # the trainers' mixture counts sampled since that epoch, so the window leaves out the calls made
+        # while the first experts were still being declared
+        _wait(lambda: core.experts.summary()["calls"] > 0, 60, "the trainers' first mixture counts")
+        start, t0, cpu0 = core.experts.summary(), core.clock(), cpu_seconds(core)
         time.sleep(window_s)  # the measurement window itself
-        end, t1 = core.experts.summary(), core.clock()
+        end, t1, cpu1 = core.experts.summary(), core.clock(), cpu_seconds(core)
     finally:
         core.stop()
     scale = config.provider.time_scale
@@ -121,16 +140,27 @@ def one_run(base: Path, name: str, window_s: float, lifetime_s: float | None, no
     met = end["calls_meeting_k_min"] - start["calls_meeting_k_min"]
     handoffs = [json.loads(d)["source"] for (d,) in _rows(run_dir, "SELECT detail FROM events "
                                                               "WHERE kind = 'expert_handoff'")]
-    preempted = _rows(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted' AND node_type = 'srv'")
+    preempted = _rows(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted' AND node_type = 'srv' "
+                               "AND ended_at BETWEEN ? AND ?", t0, t1)
     span = (window[-1][0] - window[0][0]) / scale if len(window) > 1 else None
     return {
         "samples_per_second": (window[-1][3] - window[0][3]) / span if span else None,
         "epoch_s": span / (window[-1][1] - window[0][1]) if span and window[-1][1] > window[0][1] else None,
         "losses": {int(e): loss for _, e, loss, _ in progress if loss is not None},
         "kmin_fraction": met / calls if calls else None, "calls": calls,
+        "failovers": end["failovers"] - start["failovers"],
         "preemptions": preempted[0][0], "handoffs": {s: handoffs.count(s) for s in ("replica", "checkpoint", "fresh")},
         "window_s": (t1 - t0) / scale,
+        "trainer_cpus": (cpu1["trainers"] - cpu0["trainers"]) / ((t1 - t0) / scale),  # cores the trainers used
+        "cpu_share_trainers": (cpu1["trainers"] - cpu0["trainers"]) / max(cpu1["machine"] - cpu0["machine"], 1e-9),
+        "cpu_busy": (cpu1["machine"] - cpu0["machine"]) / ((t1 - t0) / scale) / (psutil_cpus() or 1),
     }
+
+
+def psutil_cpus() -> int | None:
+    import psutil
+
+    return psutil.cpu_count()
 
 
 def child(args: argparse.Namespace) -> None:
@@ -192,22 +222,31 @@ def main() -> None:
     rows = []
     for name, run in (("steady", steady), ("preempted", preempted)):
         if run is None:
-            rows.append([name, "stopped", None, None, None, None, None])
+            rows.append([name, "stopped", None, None, None, None, None, None])
             continue
         h = run["handoffs"]
         rows.append([name, "done", fmt(run["samples_per_second"], ".1f"), fmt(run["epoch_s"]),
                      fmt(run["kmin_fraction"], ".4f"),
-                     run["preemptions"], f"{h['replica']}/{h['checkpoint']}/{h['fresh']}"])
-    print_table(["<10", "<8", ">10", ">8", ">8", ">9", ">16"],
-                ["run", "status", "samples/s", "E (s)", "k_min", "preempts", "handoffs r/c/f"], rows)
-    retained = n = ratio = None
+                     run["preemptions"], f"{h['replica']}/{h['checkpoint']}/{h['fresh']}", run["failovers"]])
+    print_table(["<10", "<8", ">10", ">8", ">8", ">9", ">16", ">10"],
+                ["run", "status", "samples/s", "E (s)", "k_min", "preempts", "handoffs r/c/f", "failovers"], rows)
+    retained = n = ratio = per_cpu = None
     if steady and preempted:
         if steady["samples_per_second"] and preempted["samples_per_second"] is not None:
             retained = preempted["samples_per_second"] / steady["samples_per_second"]
+            if steady["trainer_cpus"] and preempted["trainer_cpus"]:
+                per_cpu = retained * steady["trainer_cpus"] / preempted["trainer_cpus"]
         n, ratio = loss_ratio(steady, preempted)
         print(f"mean server lifetime {result['lifetime_s']:.1f} s ({args.lifetime_steps:g} x E); retained "
               f"{fmt(retained)} (target >= 0.8); k_min met in {fmt(preempted['kmin_fraction'], '.4f')} of forward "
               f"passes (target >= 0.99); loss at epoch {n}: {fmt(ratio)} x the steady run's")
+    for name, run in (("steady", steady), ("preempted", preempted)):
+        if run is not None:
+            print(f"{name}: the machine's cores busy {fmt(run['cpu_busy'])} of the window, the trainers' processes "
+                  f"{fmt(run['cpu_share_trainers'])} of that ({fmt(run['trainer_cpus'])} cores)")
+    if per_cpu is not None:
+        print(f"samples per trainer CPU-second retained: {fmt(per_cpu)} (the rest of the loss is CPU the replacements "
+              f"took from the trainers on this machine's shared cores)")
     if error:
         print(f"the runs did not finish: {error}")
     print_json({"retained": retained, "kmin_fraction": preempted["kmin_fraction"] if preempted else None,
@@ -215,7 +254,9 @@ def main() -> None:
                 "steady_samples_per_second": steady["samples_per_second"] if steady else None,
                 "preempted_samples_per_second": preempted["samples_per_second"] if preempted else None,
                 "server_preemptions": preempted["preemptions"] if preempted else None,
-                "handoffs": preempted["handoffs"] if preempted else None, "target_batch": args.target_batch,
+                "handoffs": preempted["handoffs"] if preempted else None,
+                "failovers": preempted["failovers"] if preempted else None, "retained_per_trainer_cpu": per_cpu,
+                "target_batch": args.target_batch,
                 "window_s": args.window_s, "quick": args.quick, "error": error})
 
 

@@ -5,7 +5,7 @@ from .backend import ExpertBackend
 from .beam_search import FoundExpert, find_best_experts
 from .checkpoints import load_experts, save_experts
 from .client import ExpertClient, default_client
-from .declare import declare_experts, get_experts, withdraw_experts
+from .declare import declare_experts, get_expert_holders, get_experts, withdraw_experts
 from .errors import (
     ExpertCallFailed,
     ExpertError,
@@ -30,6 +30,6 @@ __all__ = [
     "FoundExpert", "MixtureCallReport", "NonFiniteValues", "NopExpert", "NotEnoughExperts", "RemoteExpert",
     "RemoteMixtureOfExperts", "TensorSchema", "TransformerBlock", "TrustPolicy", "UnknownExpert", "create_expert",
     "declare_experts", "default_client", "expand_pattern", "expert_kinds", "fetch_expert_state", "find_best_experts",
-    "get_experts", "load_experts", "load_state_bytes", "make_uid", "params_checksum", "parse_uid",
+    "get_expert_holders", "get_experts", "load_experts", "load_state_bytes", "make_uid", "params_checksum", "parse_uid",
     "register_expert_class", "save_experts", "state_bytes", "withdraw_experts",
 ]

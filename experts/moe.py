@@ -7,6 +7,9 @@ The layer waits until every row has ``k_min`` answers (or cannot get them), then
 ``timeout_after_k_min`` for the rest, and mixes the answers with a softmax over the answering
 experts' scores only.  Backward goes only to experts that answered; each row needs
 ``backward_k_min`` of them.  A dead expert costs a little quality, never a stopped training run.
+An expert hosted by several servers (replicas) is called at one of them; if that one fails, the
+call goes to another holder listed in the expert's DHT record within the same deadline, and a
+server that failed is avoided for a while by later calls while another holder is known.
 An expert that answers with NaN, infinity or the wrong shape counts as failed for that call, like a
 dead one; with ``trusted_servers``, experts declared at servers the policy does not trust are never
 chosen.
@@ -19,7 +22,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +36,16 @@ from p2p.codecs import cast_codec
 
 from .beam_search import FoundExpert, find_best_experts
 from .client import ExpertClient
-from .errors import ExpertCallFailed, ExpertSchemaError, NotEnoughExperts
+from .declare import get_expert_holders
+from .errors import (
+    ExpertCallFailed,
+    ExpertError,
+    ExpertRequestTooLarge,
+    ExpertSchemaError,
+    NonFiniteValues,
+    NotEnoughExperts,
+    UnknownExpert,
+)
 from .grid import normalize_prefix
 from .remote import DUMMY, call_backward, call_forward, call_info
 from .schema import TensorSchema, check_finite, describe_tensors
@@ -41,7 +53,10 @@ from .trust import TrustPolicy
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, str]  # (uid, address)
+Key = tuple[str, str]  # (uid, address it was found at)
+AVOID_S = 10.0  # how long a server that failed a call is passed over while another holder is known
+#: the caller's own mistakes: another replica would refuse the same request
+_NOT_THE_SERVERS_FAULT = (ExpertSchemaError, ExpertRequestTooLarge, NonFiniteValues)
 
 
 @dataclass
@@ -95,12 +110,17 @@ class RemoteMixtureOfExperts(nn.Module):
         self.proj = nn.Linear(in_features, sum(self.grid_size))
         self.output_schema: TensorSchema | None = None
         self.last_call: MixtureCallReport | None = None
-        self._stats = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min"), 0)
+        self._stats = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min", "failovers"), 0)
         self._last_short_log = float("-inf")
+        # on the client's loop: each uid's holders as last looked up, and servers to pass over until then
+        self._holders: dict[str, list[str]] = {}
+        self._avoid: dict[str, float] = {}  # address -> until (monotonic): it failed (unreachable, malformed)
+        self._avoid_uid: dict[Key, float] = {}  # (uid, address) -> until: it no longer hosts uid
 
     def take_stats(self) -> dict[str, int]:
-        """Forward passes and rows since the last call, and how many got ``k_min`` answers (every row
-        of a pass, for the pass); resets the counts.  For the trainer's k_min statistics."""
+        """Forward passes and rows since the last call, how many got ``k_min`` answers (every row of
+        a pass, for the pass), and calls that went to another replica after one failed; resets the
+        counts.  For the trainer's k_min statistics."""
         stats, self._stats = self._stats, dict.fromkeys(self._stats, 0)
         return stats
 
@@ -205,27 +225,105 @@ class RemoteMixtureOfExperts(nn.Module):
         return results, failures
 
     async def _forward_calls(self, x: torch.Tensor, groups: dict[Key, tuple[list[int], list[int]]]):
-        p2p = self.client.p2p
+        """Every chosen expert's forward: (results, failures, the address that answered each)."""
         timeout = self.forward_timeout
-        calls = {key: self._checked_forward(p2p, key, x[rows], timeout) for key, (rows, _) in groups.items()}
-        return await self._call_all(calls, {key: g[0] for key, g in groups.items()}, x.shape[0], self.k_min, timeout)
 
-    async def _checked_forward(self, p2p: Any, key: Key, x: torch.Tensor, timeout: float | None) -> list:
+        def forward(key: Key, rows: list[int]) -> Coroutine:
+            return self._with_failover(key, lambda address, left: self._checked_forward(address, key[0], x[rows],
+                                                                                        left), timeout)
+        calls = {key: forward(key, rows) for key, (rows, _) in groups.items()}
+        answers, failures = await self._call_all(calls, {key: g[0] for key, g in groups.items()}, x.shape[0],
+                                                 self.k_min, timeout)
+        return ({key: outputs for key, (_, outputs) in answers.items()}, failures,
+                {key: address for key, (address, _) in answers.items()})
+
+    async def _checked_forward(self, address: str, uid: str, x: torch.Tensor, timeout: float | None) -> list:
         """One expert's forward; an answer that does not fit the layer's output schema is a failure."""
-        outputs = await call_forward(p2p, key[1], key[0], [x], timeout, self.compression)
+        outputs = await call_forward(self.client.p2p, address, uid, [x], timeout, self.compression)
         problem = _output_problem(outputs, self.output_schema)
         if problem:
-            raise ExpertCallFailed(f"expert {key[0]!r} at {key[1]} {problem}")
+            raise ExpertCallFailed(f"expert {uid!r} at {address} {problem}")
         return outputs
 
     async def _backward_calls(self, x: torch.Tensor, grads: dict[Key, torch.Tensor],
-                              groups: dict[Key, tuple[list[int], list[int]]]):
+                              groups: dict[Key, tuple[list[int], list[int]]], served: dict[Key, str]):
+        """Every answering expert's backward, first at the server that answered its forward."""
         p2p = self.client.p2p
         timeout = self.backward_timeout
-        calls = {key: call_backward(p2p, key[1], key[0], [x[groups[key][0]]], [g], timeout, self.compression)
-                 for key, g in grads.items()}
-        return await self._call_all(calls, {key: groups[key][0] for key in grads}, x.shape[0],
-                                    self.backward_k_min, timeout)
+
+        def backward(key: Key, g: torch.Tensor) -> Coroutine:
+            inputs = [x[groups[key][0]]]
+            return self._with_failover(
+                (key[0], served.get(key, key[1])),
+                lambda address, left: call_backward(p2p, address, key[0], inputs, [g], left, self.compression),
+                timeout)
+        calls = {key: backward(key, g) for key, g in grads.items()}
+        answers, failures = await self._call_all(calls, {key: groups[key][0] for key in grads}, x.shape[0],
+                                                 self.backward_k_min, timeout)
+        return {key: grad_inputs for key, (_, grad_inputs) in answers.items()}, failures
+
+    # ---- replicas (on the client's loop) -------------------------------------------------------
+    async def _with_failover(self, key: Key, call: Callable[[str, float | None], Awaitable[Any]],
+                             timeout: float | None) -> tuple[str, Any]:
+        """``call(address, time left)`` at the expert's server, else at its other holders in turn,
+        all within ``timeout``: (the address that answered, its answer), or the last failure."""
+        uid, found_at = key
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        address = self._route(uid, found_at)
+        tried: list[str] = []
+        while True:
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            try:
+                return address, await call(address, left)
+            except _NOT_THE_SERVERS_FAULT:
+                raise
+            except ExpertError as e:
+                self._avoid_after(uid, address, e)
+                tried.append(address)
+                error = e
+            others = [a for a in await self._lookup_holders(uid) if a not in tried]
+            if not others or (deadline is not None and loop.time() >= deadline):
+                raise error
+            address = min(others, key=lambda a: self._avoided(uid, a))  # stable: newest unavoided first
+            self._stats["failovers"] += 1
+
+    def _avoided(self, uid: str, address: str) -> bool:
+        now = time.monotonic()
+        return self._avoid.get(address, 0.0) > now or self._avoid_uid.get((uid, address), 0.0) > now
+
+    def _route(self, uid: str, address: str) -> str:
+        """Where to call first: where beam search found the expert, unless that server failed lately
+        and another holder is known."""
+        if not self._avoided(uid, address):
+            return address
+        return next((a for a in self._holders.get(uid, ()) if not self._avoided(uid, a)), address)
+
+    def _avoid_after(self, uid: str, address: str, error: ExpertError) -> None:
+        until = time.monotonic() + AVOID_S
+        if isinstance(error, UnknownExpert):
+            self._avoid_uid[(uid, address)] = until  # the server is fine, the expert moved away
+        else:
+            self._avoid[address] = until
+        if len(self._avoid) + len(self._avoid_uid) > 4096:  # forget the expired ones now and then
+            now = time.monotonic()
+            self._avoid = {a: t for a, t in self._avoid.items() if t > now}
+            self._avoid_uid = {k: t for k, t in self._avoid_uid.items() if t > now}
+
+    async def _lookup_holders(self, uid: str) -> list[str]:
+        """Every trusted holder of ``uid`` now (asking the DHT's replicas, not a local copy)."""
+        def lookup(node: Any) -> Awaitable[dict[str, list[str]]]:
+            return get_expert_holders(node, [uid], latest=True, trusted_servers=self.trusted_servers)
+        try:
+            if asyncio.get_running_loop() is self.dht.loop:
+                found = await lookup(self.dht.node)
+            else:
+                found = await asyncio.wrap_future(self.dht.run_coroutine(lookup, return_future=True))
+        except Exception as e:  # no DHT answer: no other holder to try
+            logger.debug("looking up the holders of %s failed: %r", uid, e)
+            return []
+        self._holders[uid] = found[uid]
+        return found[uid]
 
     async def _fetch_output_schema(self, keys: Sequence[Key]) -> TensorSchema | None:
         for uid, address in keys:
@@ -281,7 +379,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
                 g[0].append(r)
                 g[1].append(j)
         x = x.detach()
-        results, failures = layer.client.run(layer._forward_calls(x, groups))
+        results, failures, served = layer.client.run(layer._forward_calls(x, groups))
         schema = _agreed_outputs(results, failures, layer.output_schema)
         report = layer.last_call
         if report is not None:
@@ -318,6 +416,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
             report.forward_seconds = time.monotonic() - started
         ctx.layer = layer
         ctx.groups = {key: groups[key] for key in results}
+        ctx.served = served
         ctx.save_for_backward(x)
         ctx.mark_non_differentiable(answered)
         return out, answered
@@ -330,7 +429,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
         groups = ctx.groups
         check_finite(f"mixture {layer.uid_prefix!r}", "output gradient", [grad_out])
         grads = {key: grad_out[r_idx, s_idx] for key, (r_idx, s_idx) in groups.items()}
-        results, failures = layer.client.run(layer._backward_calls(x, grads, groups))
+        results, failures = layer.client.run(layer._backward_calls(x, grads, groups, ctx.served))
         report = layer.last_call
         if report is not None:
             report.backward_answered = {uid for uid, _ in results}

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import ExpertSchemaError, NonFiniteValues
@@ -93,11 +94,17 @@ def check_batch(uid: str, what: str, schema: Sequence[TensorSchema], tensors: An
     return int(tensors[0].shape[0]) if tensors else 0
 
 
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
 def count_non_finite(t: torch.Tensor) -> int:
     """NaN and infinite entries of a float tensor (0 for other dtypes, which cannot hold them)."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return 0
-    if t.is_floating_point():  # fast path, one pass: min and max propagate NaN and show infinities
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:  # fast path: numpy's check is 5-20x torch's here
+        if np.isfinite(t.detach().resolve_neg().numpy()).all():
+            return 0
+    elif t.is_floating_point():  # one pass: min and max propagate NaN and show infinities
         low, high = torch.aminmax(t.detach())
         if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
             return 0

@@ -236,8 +236,8 @@ class ExpertServer:
 
     async def remove_experts(self, uids: Sequence[str], withdraw: bool = True) -> None:
         """Stop hosting ``uids``: later requests get UnknownExpert, queued ones fail with it (a batch
-        already running still answers).  With ``withdraw`` their DHT records are overwritten with
-        None; without, they expire (or another server's declaration replaces them).
+        already running still answers).  With ``withdraw`` this server's DHT records of them are
+        overwritten with None; without, they expire.
         ValueError naming the uid if one is not hosted."""
         uids = list(dict.fromkeys(uids))
         for uid in uids:
@@ -251,7 +251,7 @@ class ExpertServer:
                     pool, lambda uid=uid: UnknownExpert(f"expert {uid!r} was removed from this server"))
         logger.info("expert server at %s no longer hosts %s", self.address, ", ".join(uids))
         if withdraw and self.dht is not None and uids:
-            await self._withdraw(list(uids))
+            await self.withdraw(list(uids))
 
     # ---- DHT declarations ----------------------------------------------------------------------
     async def declare(self, uids: Sequence[str] | None = None) -> bool:
@@ -281,13 +281,13 @@ class ExpertServer:
             return True
         return await self.declare()
 
-    async def _withdraw(self, uids: list[str]) -> bool:
+    async def withdraw(self, uids: list[str]) -> bool:
         assert self.dht is not None
         async with self._dht_lock:
             # just newer than our last declaration, so any later declaration (a restart, a replica) wins
             until = max(self._latest_until, time.time()) + 1e-3
             self._latest_until = until
-            ok = await withdraw_experts(self.dht, uids, until)
+            ok = await withdraw_experts(self.dht, uids, self.address, until)
         if not ok:
             logger.info("some expert withdrawals were not accepted by any DHT replica (a newer record of "
                         "another server, or no replica reachable)")
@@ -329,7 +329,7 @@ class ExpertServer:
         await asyncio.gather(*self._background, return_exceptions=True)
         if withdraw and self.dht is not None and self._latest_until and self.backends:
             try:
-                await asyncio.wait_for(self._withdraw(list(self.backends)), withdraw_timeout)
+                await asyncio.wait_for(self.withdraw(list(self.backends)), withdraw_timeout)
             except Exception as e:
                 logger.warning("withdrawing experts from the DHT failed: %r", e)
         for method in METHODS:

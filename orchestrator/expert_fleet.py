@@ -117,11 +117,10 @@ class ExpertFleet:
             self.store.event("expert_handoff", call.instance_id, h)
             mover = self.moves.pop((call.instance_id, h["uid"]), None)
             if mover is not None and mover in self.addresses:
-                # not withdrawn (that would hide the expert until its holders declare again): the mover
-                # stops declaring it and answers for two more declare periods, while the others' records,
-                # newer than its own, take over
+                # the mover leaves the expert's records at once and answers for two more declare periods,
+                # for callers that found it a moment ago
                 self.holders[h["uid"]].discard(mover)
-                self._send("unassign", mover, "unassign", [h["uid"]], False, 2 * self.settings.declare_period_s,
+                self._send("unassign", mover, "unassign", [h["uid"]], True, 2 * self.settings.declare_period_s,
                            detail=h["uid"])
                 self._send("redeclare", call.instance_id, "redeclare")
         self._record_placement()
@@ -270,6 +269,7 @@ class ExpertFleet:
                 "requests": sum(s.get("requests_forward", 0) for s in servers.values()),
                 "rows_per_batch": rows / batches if batches else None,
                 "calls": calls, "calls_meeting_k_min": met, "kmin_fraction": met / calls if calls else None,
+                "failovers": sum(s.get("failovers", 0) for s in trainers),
                 "hosted": {i: s.get("hosted", []) for i, s in servers.items()}}
 
     def _write_sample(self) -> None:

@@ -96,7 +96,7 @@ class WorkerActor:
         all within ``deadline_s``."""
         def leave() -> None:
             try:
-                if self.host is not None:  # replicated experts are not withdrawn: the others' records take over
+                if self.host is not None:  # out of its experts' records at once, answering until it goes
                     self.host.leaving()
                     self.left.wait(0.75 * deadline_s)
                     self.host.shutdown(withdraw=False)

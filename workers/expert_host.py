@@ -220,7 +220,10 @@ class ExpertHost:
     async def _assign(self, uids: list[str], donors: dict[str, list[str]], checkpoints: dict[str, bytes],
                       timeout: float) -> list[HandOff]:
         async with self._the_lock():
-            self.server.quiet.difference_update(uids)  # an expert about to move away stays after all
+            stays = [uid for uid in uids if uid in self.server.quiet]  # about to move away, it stays after all
+            self.server.quiet.difference_update(stays)
+            if stays and self.server.declaring:
+                await self.server.declare(stays)  # its withdrawal at the move's start is undone
             wanted = [uid for uid in uids if uid not in self.server.backends]
             loaded = await asyncio.gather(*(self._load(uid, donors.get(uid) or [], checkpoints.get(uid), timeout)
                                             for uid in wanted))
@@ -274,22 +277,29 @@ class ExpertHost:
         return backend, params_checksum(backend.module)
 
     def unassign(self, uids: list[str], withdraw: bool = True, linger: float = 0.0) -> None:
-        """Stop hosting ``uids`` (those not hosted are ignored) and, with ``withdraw``, withdraw
-        them from the DHT.  An expert that moved to another server is not withdrawn and ``linger``s:
-        no longer declared, it still answers for that long, while its other holders' records replace
-        ours, so callers never meet a record of a server that dropped it."""
+        """Stop hosting ``uids`` (those not hosted are ignored) and, with ``withdraw``, remove this
+        server from their DHT records.  With ``linger`` (an expert that moved to another server) the
+        records go at once but the expert still answers for that long, so callers that found this
+        server a moment ago are served while the others' records take over."""
         self._face.run(self._unassign(list(dict.fromkeys(uids)), withdraw, linger))
 
     def leaving(self) -> None:
-        """Stop re-declaring (a preemption notice): the records of the experts' other holders,
-        newer than ours from now on, take over while this host still answers."""
+        """A preemption notice: stop declaring and remove this server from every hosted expert's
+        records at once (callers find the other holders), while it still answers until it goes."""
         async def stop() -> None:
             self.server.declaring = False
+            hosted = list(self.server.backends)
+            if hosted:
+                await self.server.withdraw(hosted)
         self._face.run(stop(), 30)
 
     async def _unassign(self, uids: list[str], withdraw: bool = True, linger: float = 0.0) -> None:
         if linger > 0:
-            self.server.quiet.update(uid for uid in uids if uid in self.server.backends)
+            moving = [uid for uid in uids if uid in self.server.backends]
+            self.server.quiet.update(moving)
+            if withdraw and moving:
+                await self.server.withdraw(moving)
+                withdraw = False  # done already
             await asyncio.sleep(linger)
             uids = [uid for uid in uids if uid in self.server.quiet]  # not assigned here again meanwhile
         async with self._the_lock():
@@ -404,8 +414,8 @@ class ExpertHost:
 
     # ---- lifetime --------------------------------------------------------------------------------
     def shutdown(self, withdraw: bool = False) -> None:
-        """Stop serving; by default the experts are not withdrawn from the DHT (other replicas'
-        declarations take their records over), ``withdraw=True`` hides them at once."""
+        """Stop serving; ``withdraw=True`` removes this server from its experts' records at once,
+        without it they expire (``leaving`` has usually removed them already)."""
         if self._closed:
             return
         self._closed = True

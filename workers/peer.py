@@ -113,7 +113,8 @@ class TrainingPeer:
             self.dht.shutdown()
             raise
         self.mixtures = [m for m in self.model.modules() if hasattr(m, "take_stats")]
-        self._moe_totals = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min"), 0)
+        self._moe_totals = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min",
+                                          "failovers"), 0)
         optimizer = self.task.make_optimizer(self.model.parameters())
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
         self.optimizer: CollaborativeOptimizer | MoshpitSGD

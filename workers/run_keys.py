@@ -61,11 +61,12 @@ def _is_expert_prefix(key: str) -> bool:
 
 
 def expert_rules(exclude: Callable[[str], bool] = lambda key: False) -> list[KeyRule]:
-    """``experts/declare.py``: ``name.i.j`` -> address, and ``name.`` / ``name.i.`` hold the next
-    coordinates.  Keys ``exclude`` accepts are someone else's even if they look like expert names."""
+    """``experts/declare.py``: ``name.i.j`` holds one subkey per holder (its address -> the same
+    address), and ``name.`` / ``name.i.`` hold the next coordinates.  Keys ``exclude`` accepts are
+    someone else's even if they look like expert names."""
     return [
         KeyRule.where(lambda key: _is_expert_uid(key) and not exclude(key), "expert uids",
-                      dictionary=False, value=str, allow_none=True),
+                      dictionary=True, subkey=str, value=str, allow_none=True),
         KeyRule.where(lambda key: _is_expert_prefix(key) and not exclude(key), "expert grid prefixes",
                       dictionary=True, subkey=int, value=str, allow_none=True),
     ]

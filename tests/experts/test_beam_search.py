@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from dht import DHTNode
-from experts import ExpertBackend, ExpertServer, declare_experts, find_best_experts, get_experts, withdraw_experts
+from experts import (
+    ExpertBackend,
+    ExpertServer,
+    declare_experts,
+    find_best_experts,
+    get_expert_holders,
+    get_experts,
+    withdraw_experts,
+)
 from experts.grid import make_uid
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,8 +59,9 @@ async def test_beam_search_returns_exactly_the_top_k_live_experts(swarm):
     for server in range(3):  # three "servers", each declaring its own experts through a different node
         mine = [make_uid("ffn", c) for c in declared if addresses[c] == f"server{server}"]
         assert await declare_experts(nodes[server], mine, f"server{server}", time.time() + 60)
-    gone = [make_uid("ffn", c) for c in withdrawn]
-    assert await withdraw_experts(nodes[3], gone, time.time() + 61)
+    for server in range(3):  # anyone may withdraw a server's records (readers that care pass trusted_servers)
+        gone = [make_uid("ffn", c) for c in withdrawn if addresses[c] == f"server{server}"]
+        assert await withdraw_experts(nodes[3], gone, f"server{server}", time.time() + 61)
     live = {c: addresses[c] for c in declared if c not in withdrawn}
     assert len(live) > 10
 
@@ -115,3 +124,22 @@ async def test_a_restarted_server_wins_over_its_own_withdrawal(swarm):
         assert await get_experts(boot, ["ffn.0"]) == {"ffn.0": second.address}
     finally:
         await second.shutdown()
+
+
+async def test_every_holder_is_listed_and_withdrawing_one_leaves_the_others(swarm):
+    a, b, reader = await swarm(3)
+    now = time.time()
+    assert await declare_experts(a, ["ffn.0.1", "ffn.1.0"], "server-a", now + 60)
+    assert await declare_experts(b, ["ffn.0.1"], "server-b", now + 61)
+    holders = await get_expert_holders(reader, ["ffn.0.1", "ffn.1.0", "ffn.1.1"], latest=True)
+    assert holders == {"ffn.0.1": ["server-b", "server-a"], "ffn.1.0": ["server-a"], "ffn.1.1": []}  # newest first
+
+    assert await withdraw_experts(b, ["ffn.0.1"], "server-b", now + 62)
+    assert await get_expert_holders(reader, ["ffn.0.1"], latest=True) == {"ffn.0.1": ["server-a"]}
+    found = await find_best_experts(reader, "ffn", [np.array([[1.0, 0.0]]), np.array([[0.0, 1.0]])], k=1)
+    assert [(e.uid, e.address) for e in found[0]] == [("ffn.0.1", "server-a")]  # the prefix names the other holder
+
+    assert await withdraw_experts(a, ["ffn.0.1"], "server-a", now + 63)  # the last holder: the expert is gone
+    assert await get_experts(reader, ["ffn.0.1"], latest=True) == {"ffn.0.1": None}
+    found = await find_best_experts(reader, "ffn", [np.array([[1.0, 0.0]]), np.array([[0.0, 1.0]])], k=1)
+    assert [e.uid for e in found[0]] == ["ffn.1.0"]

@@ -128,3 +128,36 @@ def test_a_server_killed_mid_forward_leaves_the_rest_answering_within_the_timeou
     holder = copy.copy(moe)
     ref = reference_mixture(holder, local, x.detach(), 2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_a_dead_holder_is_replaced_by_another_replica_within_the_same_call(start_server, client_dht):
+    torch.manual_seed(4)
+    hidden = 8
+    backends = {i: frozen(f"ffn.{i}", hidden) for i in (0, 1)}
+    local = {(i,): copy.deepcopy(b.module) for i, b in backends.items()}
+    servers = [start_server([copy.deepcopy(b) for b in backends.values()], update_period=30) for _ in range(2)]
+    moe = RemoteMixtureOfExperts(hidden, [2], "ffn", k_best=2, k_min=2, forward_timeout=10, backward_timeout=10,
+                                 dht=client_dht)
+    found = {e.address for row in moe.find_experts([torch.zeros(1, 2).numpy()]) for e in row}
+    assert len(found) == 1  # beam search names one holder: the newest declaration of the prefix
+    dead = next(s for s in servers if s.address in found)
+    alive = next(s for s in servers if s is not dead)
+    dead.shutdown(withdraw=False)  # a crash: its records stay in the DHT until they expire
+
+    x = torch.randn(6, hidden, requires_grad=True)
+    out = moe(x)  # every expert is found at the dead server, and every call goes on to the other holder
+    out.sum().backward()
+    assert moe.last_call.answered == moe.last_call.backward_answered == {"ffn.0", "ffn.1"}
+    assert not moe.last_call.failed
+    torch.testing.assert_close(out, reference_mixture(copy.copy(moe), local, x.detach(), 2), atol=1e-5, rtol=1e-4)
+    assert requests(alive) == {"forward": 2, "backward": 2}
+    stats = moe.take_stats()
+    assert stats["calls_meeting_k_min"] == 1 and stats["failovers"] == 2
+
+    moe(torch.randn(3, hidden))  # the dead server is passed over at once now: no more failovers
+    assert moe.take_stats()["failovers"] == 0 and requests(alive)["forward"] == 4
+
+
+def requests(server) -> dict[str, int]:
+    stats = server.server.stats.values()
+    return {way: int(sum(s[f"requests_{way}"] for s in stats)) for way in ("forward", "backward")}

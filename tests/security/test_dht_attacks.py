@@ -282,7 +282,7 @@ async def test_every_honest_writer_of_a_run_passes_its_rules(swarm):
     exp = time.time() + 30
     assert await declare_experts(nodes[0], ["ffn.0.1", "ffn.1.0"], str(nodes[0].address), exp)
     assert await get_experts(nodes[2], ["ffn.0.1"]) == {"ffn.0.1": str(nodes[0].address)}
-    assert await withdraw_experts(nodes[0], ["ffn.0.1"], exp + 1)
+    assert await withdraw_experts(nodes[0], ["ffn.0.1"], str(nodes[0].address), exp + 1)
 
 
 @pytest.mark.timeout(60)

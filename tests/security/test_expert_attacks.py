@@ -32,6 +32,7 @@ from experts import (
     RemoteExpert,
     RemoteMixtureOfExperts,
     TensorSchema,
+    get_expert_holders,
     get_experts,
 )
 from experts.remote import call_backward, call_forward
@@ -295,8 +296,12 @@ def test_a_uid_declared_by_an_unassigned_server_is_never_called(start_server, cl
     guarded(x.requires_grad_()).sum().backward()
     assert all(chosen == ["ffn.0.0"] for chosen in guarded.last_call.chosen)  # ffn.0.1 is missing, not hijacked
     assert guarded.last_call.answered == guarded.last_call.backward_answered == {"ffn.0.0"}
+    # the attacker's declaration sits beside the honest server's, it cannot replace it: with the policy
+    # only the honest holder is left
+    holders = client_dht.run_coroutine(lambda node: get_expert_holders(node, ["ffn.0.1"]))["ffn.0.1"]
+    assert sorted(holders) == sorted([honest.address, attacker.address])
     found = client_dht.run_coroutine(lambda node: get_experts(node, ["ffn.0.0", "ffn.0.1"], trusted_servers=policy))
-    assert found == {"ffn.0.0": honest.address, "ffn.0.1": None}
+    assert found == {"ffn.0.0": honest.address, "ffn.0.1": honest.address}
     assert sum(attacker.server.requests.values()) == calls_before  # the attacker never heard from it
 
 

@@ -61,13 +61,15 @@ def test_moe_charlm_trains_through_remote_experts_and_counts_k_min(grid_server):
         assert sum(s["backward_batches"] for s in grid_server.server.stats.values()) >= 15  # the experts train
         (moe,) = model.moes
         stats = moe.take_stats()
-        assert stats == {"calls": 15, "calls_meeting_k_min": 15, "rows": 15 * 4 * 8, "rows_meeting_k_min": 15 * 4 * 8}
+        assert stats == {"calls": 15, "calls_meeting_k_min": 15, "rows": 15 * 4 * 8, "rows_meeting_k_min": 15 * 4 * 8,
+                             "failovers": 0}
         assert moe.take_stats()["calls"] == 0  # taken: reset
 
         grid_server.remove_experts(["ffn.0.0", "ffn.0.1", "ffn.1.0", "ffn.1.1"])  # every expert gone
         out = model(fixed[0])  # zeros stand in for the mixture: the model still answers
         assert out.shape == (4, 8, 256) and torch.isfinite(out).all()
-        assert moe.take_stats() == {"calls": 1, "calls_meeting_k_min": 0, "rows": 32, "rows_meeting_k_min": 0}
+        assert moe.take_stats() == {"calls": 1, "calls_meeting_k_min": 0, "rows": 32, "rows_meeting_k_min": 0,
+                                    "failovers": 0}
     finally:
         dht.shutdown()
 
