@@ -17,8 +17,8 @@ has its replicas and the trainers finished their first epoch.  Figures:
   batch over the window, from the run store);
 - ``kmin_fraction``: of the preempted run's forward passes (every mixture call of every trainer
   in the window), the fraction in which every row got k_min answers;
-- ``loss_ratio``: the preempted run's loss at epoch N over the steady run's at the same epoch, N
-  the last epoch both reached (each run starts from the same weights and data order);
+- ``loss_ratio``: the preempted run's mean loss over epochs N-4..N over the steady run's over the
+  same epochs, N the last epoch both reached (each run starts from the same weights and data order);
 - preemptions of expert servers in the window, hand-offs from a live replica / a checkpoint / fresh
   (all of the run), and calls that went to another replica after one failed.
 
@@ -26,7 +26,7 @@ The child has a time limit (``--limit-s``; past it it is killed with its whole t
 says so).  ``--quick``: 4-s windows, a smoke test (a few epochs each: its ratios are rough).
 
     python benchmarks/bench_moe_run.py [--quick] [--window-s 120] [--lifetime-steps 20] [--target-batch 1024]
-                                       [--keep DIR]
+                                       [--seed 7] [--keep DIR]
 
 The global batch sets E, and with it how long a server lives against how long a replacement takes
 to boot here (about 5-8 s for an actor that imports torch on this 2-core machine, while the others
@@ -57,16 +57,18 @@ sys.path.insert(0, str(HERE))
 from _common import ChildFailed, emit, fmt, print_json, print_table, run_for_json  # noqa: E402
 
 TIME_SCALE = 10.0  # simulated seconds per real second
+LOSS_EPOCHS = 5  # the loss ratio compares the mean loss of the last this many epochs both runs reached
 
 
-def config_data(run_dir: Path, name: str, lifetime_s: float | None, notice_s: float, target_batch: int) -> dict:
+def config_data(run_dir: Path, name: str, lifetime_s: float | None, notice_s: float, target_batch: int,
+                seed: int = 7) -> dict:
     prices = {"on_demand_price_per_hour": 0.40, "spot_price_per_hour": {"a": 0.12}}
     server_preemption = {"distribution": "none"} if lifetime_s is None else \
         {"distribution": "exponential", "mean_lifetime_s": lifetime_s * TIME_SCALE}
     return {
         "cluster_name": name, "runs_dir": str(run_dir),
         "provider": {"type": "local", "zones": ["a"], "time_scale": TIME_SCALE, "provisioning_delay_s": 10.0,
-                     "seed": 7},
+                     "seed": seed},
         "available_node_types": {
             "srv": {"role": "experts", "min_workers": 3, "max_workers": 3, "preemption": server_preemption,
                     **prices},
@@ -110,13 +112,13 @@ def cpu_seconds(core: Any) -> dict[str, float]:
 
 
 def one_run(base: Path, name: str, window_s: float, lifetime_s: float | None, notice_s: float,
-            target_batch: int) -> dict:
+            target_batch: int, seed: int) -> dict:
     """One run under a supervisor in this process: its figures over ``window_s`` real seconds."""
     from orchestrator.config import ClusterConfig
     from orchestrator.run_store import RunStore
     from orchestrator.supervisor import SupervisorCore
 
-    config = ClusterConfig.model_validate(config_data(base, name, lifetime_s, notice_s, target_batch))
+    config = ClusterConfig.model_validate(config_data(base, name, lifetime_s, notice_s, target_batch, seed))
     RunStore.create(config).close()
     run_dir = config.run_dir()
     core = SupervisorCore(config, run_dir)
@@ -169,10 +171,10 @@ def child(args: argparse.Namespace) -> None:
 
     base = Path(args.keep or tempfile.mkdtemp(prefix="bench-moe-run-"))
     start_ray()
-    steady = one_run(base, "steady", args.window_s, None, args.notice_s, args.target_batch)
+    steady = one_run(base, "steady", args.window_s, None, args.notice_s, args.target_batch, args.seed)
     emit({"steady": steady})
     lifetime = args.lifetime_steps * (steady["epoch_s"] or 1.0)
-    preempted = one_run(base, "preempted", args.window_s, lifetime, args.notice_s, args.target_batch)
+    preempted = one_run(base, "preempted", args.window_s, lifetime, args.notice_s, args.target_batch, args.seed)
     emit({"steady": steady, "preempted": preempted, "lifetime_s": lifetime})
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
@@ -181,11 +183,10 @@ def child(args: argparse.Namespace) -> None:
 def loss_ratio(steady: dict, preempted: dict) -> tuple[int | None, float | None]:
     a = {int(e): loss for e, loss in steady["losses"].items()}  # JSON made the epochs strings
     b = {int(e): loss for e, loss in preempted["losses"].items()}
-    common = sorted(set(a) & set(b))
+    common = sorted(set(a) & set(b))[-LOSS_EPOCHS:]  # one epoch's loss is noisy: the last few both reached
     if not common:
         return None, None
-    n = common[-1]
-    return n, b[n] / a[n]
+    return common[-1], sum(b[n] for n in common) / sum(a[n] for n in common)
 
 
 def main() -> None:
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--notice-s", type=float, default=3.0, help="real seconds between notice and kill")
     parser.add_argument("--target-batch", type=int, default=None,
                         help="global batch per step, which sets E (default 1024; quick 256)")
+    parser.add_argument("--seed", type=int, default=7, help="the spot market's seed (which lifetimes are drawn)")
     parser.add_argument("--limit-s", type=float, default=None, help="the child's time limit")
     parser.add_argument("--keep", default=None, help="keep the runs' directories here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -210,7 +212,7 @@ def main() -> None:
     limit = args.limit_s or (55.0 if args.quick else 2 * args.window_s + 240.0)
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--window-s", str(args.window_s),
             "--lifetime-steps", str(args.lifetime_steps), "--notice-s", str(args.notice_s),
-            "--target-batch", str(args.target_batch)]
+            "--target-batch", str(args.target_batch), "--seed", str(args.seed)]
     if args.keep:
         argv += ["--keep", args.keep]
     error = None
@@ -239,7 +241,8 @@ def main() -> None:
         n, ratio = loss_ratio(steady, preempted)
         print(f"mean server lifetime {result['lifetime_s']:.1f} s ({args.lifetime_steps:g} x E); retained "
               f"{fmt(retained)} (target >= 0.8); k_min met in {fmt(preempted['kmin_fraction'], '.4f')} of forward "
-              f"passes (target >= 0.99); loss at epoch {n}: {fmt(ratio)} x the steady run's")
+              f"passes (target >= 0.99); loss over epochs {n - LOSS_EPOCHS + 1 if n else '-'}-{n}: {fmt(ratio)} x the "
+              f"steady run's")
     for name, run in (("steady", steady), ("preempted", preempted)):
         if run is not None:
             print(f"{name}: the machine's cores busy {fmt(run['cpu_busy'])} of the window, the trainers' processes "
@@ -256,7 +259,7 @@ def main() -> None:
                 "server_preemptions": preempted["preemptions"] if preempted else None,
                 "handoffs": preempted["handoffs"] if preempted else None,
                 "failovers": preempted["failovers"] if preempted else None, "retained_per_trainer_cpu": per_cpu,
-                "target_batch": args.target_batch,
+                "target_batch": args.target_batch, "seed": args.seed,
                 "window_s": args.window_s, "quick": args.quick, "error": error})
 
 
