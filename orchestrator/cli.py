@@ -124,6 +124,27 @@ def _status(args: argparse.Namespace) -> int:
     return status(args.run, _console())
 
 
+def _check(args: argparse.Namespace) -> int:
+    """Exit 0: every invariant holds; 1: some do not (each printed); 2: not a run directory."""
+    from pathlib import Path
+
+    from .figures import is_live
+    from .invariants import check_run
+
+    run_dir = Path(args.run)
+    if not (run_dir / "run.sqlite").exists():
+        print(f"spotswarm check: {run_dir} is not a run directory (no run.sqlite)", file=sys.stderr)
+        return 2
+    live = is_live(run_dir)
+    result = check_run(run_dir, stopped=not live, stall_bound_s=args.stall_bound)
+    for v in result.violations:
+        print(f"{v.invariant}: {v.detail}")
+    verdict = "ok" if result.ok else f"{len(result.violations)} violation(s)"
+    print(f"{run_dir}: {verdict} ({'live' if live else 'stopped'}; {result.checkpoints} checkpoint(s) load; "
+          f"longest wait for an epoch {result.max_stall_s:.1f} s; {result.logs} log file(s) scanned)")
+    return 0 if result.ok else 1
+
+
 def _dashboard(args: argparse.Namespace) -> int:
     from .cluster import dashboard
 
@@ -242,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="headline figures of a run: throughput, instances, cost, savings")
     st.add_argument("run", help="run directory")
     st.set_defaults(func=_status)
+    ck = sub.add_parser("check", help="check a run's invariants: store consistent, checkpoints load, no stalls, "
+                                      "no errors in its logs")
+    ck.add_argument("run", help="run directory")
+    ck.add_argument("--stall-bound", type=float, metavar="S",
+                    help="a violation if no new epoch came for longer than S seconds of the run's clock")
+    ck.set_defaults(func=_check)
     db = sub.add_parser("dashboard", help="serve a run's cost and throughput dashboard (live or finished)")
     db.add_argument("run", help="run directory")
     db.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

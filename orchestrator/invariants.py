@@ -1,0 +1,170 @@
+"""Invariants a run must keep whatever happened to it, checked from what it leaves behind: its store,
+its checkpoints, its logs and the machine's process table.
+
+A fault-injected run checks these while it runs and after it stops; each broken invariant is a
+``Violation`` with the invariant's name and what exactly was wrong, so a report can count them by
+kind.  Nothing here starts or stops anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from .figures import cost_breakdown
+from .run_store import RunStore, summarize_costs
+from .supervisor import read_checkpoint
+
+COST_TOLERANCE = 1e-9  # dollars: the breakdown and the total are the same sums in another order
+TRACEBACK = "Traceback (most recent call last):"
+ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b")
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str  # store | checkpoints | stall | leaks | tracebacks | equal_params
+    detail: str
+
+
+def store_unreadable(run_dir: Path) -> Violation | None:
+    """Why the run store cannot be read (it does not open, or fails SQLite's integrity check); None if it can."""
+    path = run_dir / "run.sqlite"
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as db:
+            (verdict,) = db.execute("PRAGMA integrity_check").fetchone()
+    except (sqlite3.Error, OSError) as e:
+        return Violation("store", f"{path} unreadable: {e}")
+    return None if verdict == "ok" else Violation("store", f"{path} fails its integrity check: {verdict}")
+
+
+def check_store(run_dir: Path, stopped: bool) -> list[Violation]:
+    """The run store is readable and adds up: instance times in order, every instance closed once the
+    run stopped, the cost breakdown summing to the total."""
+    if (unreadable := store_unreadable(run_dir)) is not None:
+        return [unreadable]
+    out: list[Violation] = []
+    store = RunStore.open(run_dir)
+    try:
+        instances = store.instances()
+        now = store.last_time() or 0.0
+        for i in instances:
+            if i.ended_at is not None and i.ended_at < i.launched_at:
+                out.append(Violation("store", f"instance {i.id} ended ({i.ended_at}) before its launch "
+                                              f"({i.launched_at})"))
+            if stopped and i.ended_at is None:
+                out.append(Violation("store", f"instance {i.id} still open after the run stopped"))
+            if i.ended_at is not None and i.end_reason is None:
+                out.append(Violation("store", f"instance {i.id} ended without a reason"))
+        total = summarize_costs(store, now).dollars
+        parts = sum(g.dollars for g in cost_breakdown(instances, now))
+        if abs(total - parts) > COST_TOLERANCE:
+            out.append(Violation("store", f"cost breakdown sums to ${parts:.9f}, the total is ${total:.9f}"))
+    finally:
+        store.close()
+    return out
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    directory = RunStore.read_config(run_dir).checkpoint.directory
+    return Path(directory) if directory else run_dir / "checkpoints"
+
+
+def check_checkpoints(run_dir: Path) -> tuple[list[Violation], int]:
+    """Every epoch checkpoint on disk loads as tensors and plain values (a crash mid-write never leaves
+    a half-written file under a checkpoint's name); and how many there are."""
+    out, files = [], sorted(checkpoint_dir(run_dir).glob("epoch-*.pt"))
+    for path in files:
+        try:
+            read_checkpoint(path)
+        except ValueError as e:
+            out.append(Violation("checkpoints", str(e)))
+    return out, len(files)
+
+
+def stalls(times_and_epochs: Iterable[tuple[float, int]], excluded: Iterable[tuple[float, float]] = ()) -> list[float]:
+    """Gaps between one new epoch and the next (in the store's clock), leaving out the parts of a gap
+    inside ``excluded`` intervals (e.g. while the supervisor that writes progress was down)."""
+    cuts = sorted(excluded)
+    gaps, last_time, last_epoch = [], None, None
+    for t, epoch in sorted(times_and_epochs):
+        if last_epoch is not None and epoch <= last_epoch:
+            continue
+        if last_time is not None:
+            overlap = sum(max(min(b, t) - max(a, last_time), 0.0) for a, b in cuts)
+            gaps.append(t - last_time - overlap)
+        last_time, last_epoch = t, epoch
+    return gaps
+
+
+def error_tracebacks(paths: Iterable[Path]) -> list[str]:
+    """ERROR/CRITICAL log lines and Python tracebacks in these files, each as ``file:line: text``."""
+    found = []
+    for path in paths:
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if TRACEBACK in line or ERROR_LINE.search(line):
+                    found.append(f"{path}:{number}: {line.strip()[:300]}")
+    return found
+
+
+def check_tracebacks(paths: Iterable[Path]) -> list[Violation]:
+    return [Violation("tracebacks", line) for line in error_tracebacks(paths)]
+
+
+def processes_mentioning(marker: str, exclude: Iterable[int] = ()) -> list[psutil.Process]:
+    """Live processes whose command line names ``marker`` (a run directory, a session's path)."""
+    skip = set(exclude)
+    out = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.pid in skip or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if any(marker in part for part in proc.info["cmdline"] or ()):
+                out.append(proc)
+    return out
+
+
+def check_leaks(marker: str, exclude: Iterable[int] = ()) -> list[Violation]:
+    """After a clean stop nothing of the run is left: no process names it (sockets die with them)."""
+    return [Violation("leaks", f"pid {p.pid} still running: {' '.join(p.cmdline())[:200]}")
+            for p in processes_mentioning(marker, exclude)]
+
+
+@dataclass
+class RunCheck:
+    """What ``spotswarm check`` found in a run directory."""
+
+    violations: list[Violation]
+    max_stall_s: float  # the store's clock: simulated seconds with the local provider
+    checkpoints: int
+    logs: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def check_run(run_dir: Path, stopped: bool, stall_bound_s: float | None = None) -> RunCheck:
+    """Every invariant that a run directory alone can show (a live run is checked as it is now)."""
+    run_dir = Path(run_dir)
+    if (unreadable := store_unreadable(run_dir)) is not None:
+        return RunCheck([unreadable], 0.0, 0, 0)
+    violations = check_store(run_dir, stopped)
+    broken, checkpoints = check_checkpoints(run_dir)
+    violations += broken
+    store = RunStore.open(run_dir)
+    try:
+        worst = max(stalls((row[0], row[1]) for row in store.progress_rows()), default=0.0)
+    finally:
+        store.close()
+    if stall_bound_s is not None and worst > stall_bound_s:
+        violations.append(Violation("stall", f"no new epoch for {worst:.1f} s (bound {stall_bound_s:g} s)"))
+    logs = sorted(run_dir.rglob("*.log"))
+    violations += check_tracebacks(logs)
+    return RunCheck(violations, worst, checkpoints, len(logs))

@@ -1,0 +1,106 @@
+"""``spotswarm check`` and the invariants under it, on a run store filled by hand with a known history
+(no Ray): what holds passes, and each way of breaking an invariant is one named violation."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.cli import main
+from orchestrator.invariants import check_leaks, check_run, processes_mentioning, stalls
+from tests.dashboard.conftest import T0, fill_run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return fill_run(tmp_path / "runs")
+
+
+def test_a_consistent_run_passes(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    torch.save({"epoch": 10, "state": {"w": torch.ones(3)}}, run_dir / "checkpoints" / "epoch-000010.pt")
+    assert main(["check", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    # new epochs at 600, 1800, 3000, 4500 and 6000 s: the longest wait is 1500 s
+    assert out == (f"{run_dir}: ok (stopped; 1 checkpoint(s) load; longest wait for an epoch 1500.0 s; "
+                   "0 log file(s) scanned)\n")
+
+
+def test_a_stall_past_the_bound_is_named(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["check", str(run_dir), "--stall-bound", "1000"]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == "stall: no new epoch for 1500.0 s (bound 1000 s)"
+
+
+def test_each_broken_invariant_is_one_violation(run_dir: Path) -> None:
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    db.execute("INSERT INTO instances VALUES ('open', 'small', 'a', 'spot', 0.3, 1.0, ?, NULL, NULL, NULL, NULL)",
+               (T0 + 100,))
+    db.execute("UPDATE instances SET ended_at = launched_at - 1 WHERE id = 'i1'")
+    db.commit()
+    db.close()
+    (run_dir / "checkpoints" / "epoch-000003.pt").write_bytes(b"half a checkpoint")
+    torch.save({"epoch": 4, "state": {"f": Path("/")}}, run_dir / "checkpoints" / "epoch-000004.pt")  # an object
+    (run_dir / "nodes").mkdir()
+    (run_dir / "nodes" / "n1.log").write_text("fine\nTraceback (most recent call last):\n  boom\n")
+    result = check_run(run_dir, stopped=True)
+    got = sorted((v.invariant, v.detail.split(":")[0] if v.invariant == "tracebacks" else v.detail[:40])
+                 for v in result.violations)
+    assert got == [
+        ("checkpoints", f"checkpoint {run_dir}/checkpoints/epoch-0"[:40]),
+        ("checkpoints", f"checkpoint {run_dir}/checkpoints/epoch-0"[:40]),
+        ("store", "instance i1 ended (999999.0) before its launch (1000000.0)"[:40]),
+        ("store", "instance open still open after the run stopped"[:40]),
+        ("tracebacks", str(run_dir / "nodes" / "n1.log")),
+    ]
+    assert {v.detail.split()[1] for v in result.violations if v.invariant == "checkpoints"} == {
+        str(run_dir / "checkpoints" / "epoch-000003.pt"), str(run_dir / "checkpoints" / "epoch-000004.pt")}
+    assert [v.detail for v in result.violations if v.invariant == "tracebacks"] == [
+        f"{run_dir / 'nodes' / 'n1.log'}:2: Traceback (most recent call last):"]
+
+
+def test_a_live_run_may_hold_open_instances(run_dir: Path) -> None:
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    db.execute("UPDATE instances SET ended_at = NULL, end_reason = NULL WHERE id = 'i6'")
+    db.commit()
+    db.close()
+    assert check_run(run_dir, stopped=False).ok
+    assert [v.detail for v in check_run(run_dir, stopped=True).violations] == [
+        "instance i6 still open after the run stopped"]
+
+
+def test_a_corrupt_store_is_a_violation_not_a_crash(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    (run_dir / "run.sqlite-wal").unlink(missing_ok=True)
+    (run_dir / "run.sqlite").write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)
+    assert main(["check", str(run_dir)]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("store: ")
+
+
+def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["check", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"spotswarm check: {tmp_path} is not a run directory (no run.sqlite)\n"
+
+
+def test_stalls_leave_out_excluded_intervals() -> None:
+    rows = [(0.0, 1), (10.0, 2), (10.5, 2), (40.0, 3), (41.0, 5)]
+    assert stalls(rows) == [10.0, 30.0, 1.0]
+    assert stalls(rows, excluded=[(15.0, 35.0)]) == [10.0, 10.0, 1.0]  # the supervisor was down for 20 s
+
+
+def test_a_process_left_behind_is_a_leak(tmp_path: Path) -> None:
+    marker = str(tmp_path / "run-marker")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", marker], stdin=subprocess.PIPE)
+    try:
+        assert [p.pid for p in processes_mentioning(marker)] == [proc.pid]
+        (violation,) = check_leaks(marker)
+        assert violation.invariant == "leaks" and violation.detail.startswith(f"pid {proc.pid} still running")
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+    assert check_leaks(marker) == []
