@@ -62,7 +62,8 @@ class WorkerControl(Protocol):
 
     # optional: ``poll_notices(instance_ids) -> list[PreemptionNotice]``, the notices the instances' own
     # watchers saw (wall-clock times, source "instance"); never blocks; ``certify(instance_id, peer_id)
-    # -> token | None``, the membership token of a worker a provider starts itself
+    # -> token | None``, the membership token of a worker a provider starts itself; ``poll_dead(instance_ids)
+    # -> list[str]``, the instances whose worker died while the machine runs on (never blocks)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class FleetPolicy:
         self._collect_polls(now)
         self._collect_instance_notices(now)
         self._record_leaves()
+        self._release_dead_workers()
         self._enforce_budget(now)
         if not self.budget_exhausted and self.fatal is None:
             self._reconcile(now)
@@ -247,6 +249,21 @@ class FleetPolicy:
         for instance_id in self.workers.poll_left(waiting):
             self.left.add(instance_id)
             self.store.event("left", instance_id)  # the worker left gracefully before the kill
+
+    def _release_dead_workers(self) -> None:
+        """A machine whose worker died (killed, crashed) trains nothing: it ends as "died", is released,
+        and a replacement follows, as for a machine that died whole."""
+        poll = getattr(self.workers, "poll_dead", None)
+        placed = [i for i, inst in self.live.items() if inst.tags.get("peer_id") and i not in self.noticed]
+        if poll is None or not placed:
+            return
+        for instance_id in poll(placed):
+            inst = self.live.get(instance_id)
+            if inst is None:
+                continue
+            logger.warning("the worker on %s died while its machine runs on; releasing the instance", instance_id)
+            self._ended(instance_id, "died")
+            self._submit("release", inst, self.provider.terminate, inst)
 
     def _ended(self, instance_id: str, reason: str) -> None:
         inst = self.live.pop(instance_id, None)

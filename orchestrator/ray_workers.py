@@ -191,6 +191,9 @@ class RayWorkers:
         self._left_checks: dict[str, Any] = {}
         self._notice_checks: dict[str, Any] = {}
         self._next_check: dict[str, float] = {}
+        self._alive_checks: dict[str, Any] = {}
+        self._next_alive_check: dict[str, float] = {}
+        self._worker_node: dict[str, str] = {}  # instance id -> the Ray node its worker last answered from
         self._handles: dict[str, Any] = {}  # instance id -> its worker actor (a name lookup is a GCS call)
 
     def _actor(self, instance: Instance) -> Any:
@@ -220,6 +223,7 @@ class RayWorkers:
             ray.kill(actor)  # a detached actor outlives us: never leave one waiting for a node that is gone
             raise
         self._handles[instance.id] = actor
+        self._worker_node[instance.id] = info["node_id"]
         logger.info("worker of %s runs on node %s as %s", instance.id, info["node_id"][:12], info["address"])
         return info["peer_id"]
 
@@ -285,6 +289,40 @@ class RayWorkers:
                 notices.append(PreemptionNotice(instance_id, seen["seen_at"], seen["seen_at"] + seen["deadline_s"],
                                                 source="instance"))
         return notices
+
+    def poll_dead(self, instance_ids: list[str]) -> list[str]:
+        """Instances whose worker process died while their machine runs on (killed, crashed): such a
+        machine trains nothing and would cost money for ever.  Each is asked at most every
+        ``check_every_s``; a worker that does not answer (paused, busy) is not dead.  Never waits."""
+        now = time.monotonic()
+        self._next_alive_check = {i: t for i, t in self._next_alive_check.items() if i in instance_ids}
+        self._worker_node = {i: n for i, n in self._worker_node.items() if i in instance_ids}
+        for instance_id in instance_ids:
+            if instance_id in self._alive_checks or self._next_alive_check.get(instance_id, 0.0) > now:
+                continue
+            self._next_alive_check[instance_id] = now + self.check_every_s
+            try:
+                self._alive_checks[instance_id] = self.handle(instance_id).status.remote()
+            except ValueError:  # no actor by that name (yet): placement reports its own failures
+                continue
+        refs = {ref: i for i, ref in self._alive_checks.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+        dead = []
+        for ref in ready:
+            instance_id = refs[ref]
+            del self._alive_checks[instance_id]
+            try:
+                self._worker_node[instance_id] = ray.get(ref)["node_id"]
+            except ray.exceptions.ActorDiedError:
+                self._handles.pop(instance_id, None)
+                dead.append(instance_id)
+            except Exception:  # noqa: BLE001 - unreachable for now, not known dead: asked again later
+                self._handles.pop(instance_id, None)
+        if not dead:
+            return []
+        # a worker that died with its whole machine is the provider's to report (preempted or died)
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return [i for i in dead if self._worker_node.get(i) in alive_nodes]
 
     def stop(self, instance: Instance) -> None:
         try:

@@ -4,6 +4,7 @@ started by its boot script, joined to this test's Ray head; a preemption kills t
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import psutil
@@ -47,6 +48,20 @@ def node_config(tmp_path: Path) -> ClusterConfig:
 
 def worker_status(instance_id: str) -> dict:
     return ray.get(ray.get_actor(worker_actor_name(instance_id)).status.remote(), timeout=60)
+
+
+def worker_pid(run_dir: Path, instance_id: str) -> int:
+    """The pid of the worker actor's process on an instance's node (its session holds the raylet too)."""
+    leader = int((run_dir / "nodes" / f"{instance_id}.pid").read_text())
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getsid(proc.pid) == leader and "WorkerActor" in " ".join(proc.info["cmdline"] or ()):
+                found.append(proc.pid)
+        except OSError:  # gone meanwhile
+            continue
+    (pid,) = found
+    return pid
 
 
 def process_groups_alive(run_dir: Path) -> list[str]:
@@ -102,6 +117,16 @@ def test_instances_are_ray_nodes_preemption_replaces_a_node_and_a_restart_adopts
         assert query(run_dir, "SELECT COUNT(*) FROM instances")[0][0] == launched_before  # no duplicates
         assert sorted(list(core.live)) == live
         assert sorted(process_groups_alive(run_dir)) == live
+
+        # the worker process dies while its machine runs on: the machine is released and replaced
+        victim = live[0]
+        os.kill(worker_pid(run_dir, victim), signal.SIGKILL)
+        wait_for(lambda: query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", victim) == [("died",)],
+                 60, "the instance whose worker died to be recorded as died")
+        wait_for(lambda: victim not in process_groups_alive(run_dir), 60, "its machine to be released")
+        wait_for(lambda: len(core.live) == 3 and victim not in core.live, 60, "a replacement")
+        (replacement,) = set(core.live) - set(live)
+        wait_for_first_step(run_dir, replacement, wait_for, 180)
     finally:
         core.stop()
     assert process_groups_alive(run_dir) == []  # released: every node stopped

@@ -141,6 +141,7 @@ class FakeWorkers:
         self.left: set[str] = set()
         self.alive: set[str] = set()  # instances whose worker is already running (adoption)
         self.refuse = False  # every worker fails to start (a broken image or boot script)
+        self.dead: set[str] = set()  # instances whose worker died while the machine runs on
         self._lock = threading.Lock()
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
@@ -156,6 +157,9 @@ class FakeWorkers:
 
     def poll_left(self, instance_ids: list[str]) -> list[str]:
         return [i for i in instance_ids if i in self.left]
+
+    def poll_dead(self, instance_ids: list[str]) -> list[str]:
+        return [i for i in instance_ids if i in self.dead]
 
     def stop(self, instance: Instance) -> None:
         with self._lock:
@@ -609,6 +613,20 @@ def test_instances_dying_while_booting_are_relaunched_with_backoff(make_rig: Cal
     assert len(rig.policy.live) == 1 and rig.policy.status_text == "running"
     kill(rig, list(rig.policy.live))  # an ordinary death after a good boot: replaced at once
     assert len(rig.policy.live) == 1 and len(rig.provider.specs) == 5
+
+
+def test_a_machine_whose_worker_died_is_released_and_replaced(make_rig: Callable[..., Rig]) -> None:
+    """A killed or crashed worker leaves its machine running and billing, training nothing: the
+    machine ends as died, is released, and a replacement follows."""
+    rig = make_rig(max_workers=2, min_workers=2)
+    settle(rig.policy)
+    first, second = ids(rig)
+    rig.workers.dead.add(first)
+    settle(rig.policy)
+    assert end_reasons(rig) == {first: "died", second: None, ids(rig)[2]: None}
+    assert rig.provider.terminated == [first]
+    assert sorted(rig.policy.live) == sorted([second, ids(rig)[2]])
+    assert "died: " + first in rig.policy.fleet_log[-1]
 
 
 def test_the_head_node_type_is_never_launched(make_rig: Callable[..., Rig]) -> None:
