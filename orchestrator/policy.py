@@ -478,6 +478,10 @@ class FleetPolicy:
         od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
         self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
                                            od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
+        if self.fatal is not None:  # the run stopped while this launch was in flight: nothing will work
+            self._ended(inst.id, "released")
+            self._submit("release", inst, self._release, inst)
+            return
         self.status_text = "running"
         if self.budget_exhausted:  # the budget ran out while this launch was in flight
             self._ended(inst.id, "budget")

@@ -163,7 +163,9 @@ def fleet_policy(config: ClusterConfig, provider_cls: Callable, live: int = 0) -
 def refusal_stops_the_run(policy: FleetPolicy, launches: Callable[[], int]) -> str:
     """Ticks until a refusal (the credentials, their permissions) stops the run, which then holds no
     instance and tries no launch (``launches`` counts them); the run's fatal message."""
-    tick_until(policy, lambda p: p.fatal is not None, "the refusal never stopped the run")
+    # launches already in flight when the refusal came end too (refused, or released as they land)
+    tick_until(policy, lambda p: p.fatal is not None and p.launching == 0 and not p._background,
+               "the refusal never stopped the run")
     assert policy.live == {} and policy.launching == 0
     asked = launches()
     for _ in range(5):

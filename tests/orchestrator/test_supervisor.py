@@ -48,7 +48,8 @@ def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp
                                        first)
     tick = core.tick_s * config.provider.time_scale
     assert notice - launched == pytest.approx(40.0, abs=1e-6)  # the trace replays exactly
-    assert 190.0 <= ended - launched <= 190.0 + 2 * tick
+    # the end is recorded when the supervisor collects the provider's poll: a few ticks late on a busy machine
+    assert 190.0 <= ended - launched <= 190.0 + 5 * tick
     kinds = [k for _, k, i, _ in query(run_dir, "SELECT * FROM events WHERE instance_id = ? ORDER BY time", first)]
     assert kinds.index("notice") < kinds.index("left") < kinds.index("preempted")  # left gracefully first
     replacement_launch = query(run_dir, "SELECT launched_at FROM instances WHERE id LIKE '%-0002'")[0][0]
