@@ -245,15 +245,9 @@ def read_log(path: Path) -> list[dict]:
 def summarize(name: str, steps: list[tuple[float, int, float]], instances: list[tuple[float, float | None]],
               target: float | None, args: argparse.Namespace, **extra: Any) -> dict:
     """Time, dollars and steps at the target (or at the end of the budget for a run without one)."""
-    reached_at = reached_step = None
-    losses: list[float] = []
-    best = 0
-    for t, step, loss in steps:
-        losses.append(loss)
-        best = max(best, step)
-        now = smoothed(losses)
-        if target is not None and now is not None and now <= target and reached_at is None:
-            reached_at, reached_step = t, best
+    losses = [loss for _, _, loss in steps]
+    best = max((step for _, step, _ in steps), default=0)
+    reached_at, reached_step = reached(steps, target) or (None, None)
     end = reached_at if reached_at is not None else (steps[-1][0] if steps else None)
     dollars = None if end is None else dollars_at(instances, end)
     final_step = reached_step if reached_step is not None else best
@@ -328,7 +322,7 @@ def main() -> None:
     e_s = (reference or {}).get("step_s")
     target = (reference or {}).get("loss_now")
     if base_ours is not None and base_rt is not None and target is not None:
-        base_ours["to_target_s"] = first_time_below(base_ours["curve"], target)
+        base_ours["to_target_s"] = (reached([(t, 0, loss) for t, loss in base_ours["curve"]], target) or (None,))[0]
     if e_s and target is not None:
         print(f"E = {e_s:.2f} s per global step ({reference['name']}, no preemptions); target loss {target:.4f}",
               flush=True)
@@ -342,13 +336,16 @@ def main() -> None:
     report(args, runs, errors, lifetimes, ks, e_s, target)
 
 
-def first_time_below(curve: list, target: float) -> float | None:
+def reached(steps: list[tuple[float, int, float]], target: float | None) -> tuple[float, int] | None:
+    """When the smoothed loss first reached ``target``, and the furthest step done by then."""
     losses: list[float] = []
-    for t, loss in curve:
+    best = 0
+    for t, step, loss in steps:
         losses.append(loss)
+        best = max(best, step)
         now = smoothed(losses)
-        if now is not None and now <= target:
-            return t
+        if target is not None and now is not None and now <= target:
+            return t, best
     return None
 
 

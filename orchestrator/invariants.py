@@ -9,6 +9,7 @@ kind.  Nothing here starts or stops anything.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sqlite3
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ import psutil
 
 from .figures import cost_breakdown
 from .run_store import RunStore, summarize_costs
-from .supervisor import read_checkpoint
+from .supervisor import checkpoint_directory, read_checkpoint
 
 COST_TOLERANCE = 1e-9  # dollars: the breakdown and the total are the same sums in another order
 TRACEBACK = "Traceback (most recent call last):"
@@ -43,42 +44,43 @@ def store_unreadable(run_dir: Path) -> Violation | None:
     return None if verdict == "ok" else Violation("store", f"{path} fails its integrity check: {verdict}")
 
 
-def check_store(run_dir: Path, stopped: bool) -> list[Violation]:
-    """The run store is readable and adds up: instance times in order, every instance closed once the
-    run stopped, the cost breakdown summing to the total."""
-    if (unreadable := store_unreadable(run_dir)) is not None:
-        return [unreadable]
+def check_store(store: RunStore, stopped: bool) -> list[Violation]:
+    """A readable run store adds up: instance times in order, every instance closed once the run
+    stopped, the cost breakdown summing to the total."""
     out: list[Violation] = []
-    store = RunStore.open(run_dir)
-    try:
-        instances = store.instances()
-        now = store.last_time() or 0.0
-        for i in instances:
-            if i.ended_at is not None and i.ended_at < i.launched_at:
-                out.append(Violation("store", f"instance {i.id} ended ({i.ended_at}) before its launch "
-                                              f"({i.launched_at})"))
-            if stopped and i.ended_at is None:
-                out.append(Violation("store", f"instance {i.id} still open after the run stopped"))
-            if i.ended_at is not None and i.end_reason is None:
-                out.append(Violation("store", f"instance {i.id} ended without a reason"))
-        total = summarize_costs(store, now).dollars
-        parts = sum(g.dollars for g in cost_breakdown(instances, now))
-        if abs(total - parts) > COST_TOLERANCE:
-            out.append(Violation("store", f"cost breakdown sums to ${parts:.9f}, the total is ${total:.9f}"))
-    finally:
-        store.close()
+    instances = store.instances()
+    now = store.last_time() or 0.0
+    for i in instances:
+        if i.ended_at is not None and i.ended_at < i.launched_at:
+            out.append(Violation("store", f"instance {i.id} ended ({i.ended_at}) before its launch ({i.launched_at})"))
+        if stopped and i.ended_at is None:
+            out.append(Violation("store", f"instance {i.id} still open after the run stopped"))
+        if i.ended_at is not None and i.end_reason is None:
+            out.append(Violation("store", f"instance {i.id} ended without a reason"))
+    total = summarize_costs(store, now).dollars
+    parts = sum(g.dollars for g in cost_breakdown(instances, now))
+    if abs(total - parts) > COST_TOLERANCE:
+        out.append(Violation("store", f"cost breakdown sums to ${parts:.9f}, the total is ${total:.9f}"))
     return out
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    directory = RunStore.read_config(run_dir).checkpoint.directory
-    return Path(directory) if directory else run_dir / "checkpoints"
+def supervisor_downtimes(store: RunStore) -> list[tuple[float, float]]:
+    """The intervals in which no supervisor ran (stopped, or killed, then resumed): from the last
+    progress row before each later supervisor start to that start.  Nobody records epochs then."""
+    starts = [row[0] for row in store.events("supervisor_start")][1:]
+    times = [row[0] for row in store.progress_rows()]
+    out = []
+    for start in starts:
+        before = [t for t in times if t < start]
+        if before:
+            out.append((max(before), start))
+    return out
 
 
 def check_checkpoints(run_dir: Path) -> tuple[list[Violation], int]:
     """Every epoch checkpoint on disk loads as tensors and plain values (a crash mid-write never leaves
     a half-written file under a checkpoint's name); and how many there are."""
-    out, files = [], sorted(checkpoint_dir(run_dir).glob("epoch-*.pt"))
+    out, files = [], sorted(checkpoint_directory(RunStore.read_config(run_dir), run_dir).glob("epoch-*.pt"))
     for path in files:
         try:
             read_checkpoint(path)
@@ -155,16 +157,19 @@ def check_run(run_dir: Path, stopped: bool, stall_bound_s: float | None = None) 
     run_dir = Path(run_dir)
     if (unreadable := store_unreadable(run_dir)) is not None:
         return RunCheck([unreadable], 0.0, 0, 0)
-    violations = check_store(run_dir, stopped)
-    broken, checkpoints = check_checkpoints(run_dir)
-    violations += broken
     store = RunStore.open(run_dir)
     try:
-        worst = max(stalls((row[0], row[1]) for row in store.progress_rows()), default=0.0)
+        violations = check_store(store, stopped)
+        rows = [(row[0], row[1]) for row in store.progress_rows()]
+        worst = max(stalls(rows, supervisor_downtimes(store)), default=0.0)
     finally:
         store.close()
+    broken, checkpoints = check_checkpoints(run_dir)
+    violations += broken
     if stall_bound_s is not None and worst > stall_bound_s:
         violations.append(Violation("stall", f"no new epoch for {worst:.1f} s (bound {stall_bound_s:g} s)"))
     logs = sorted(run_dir.rglob("*.log"))
     violations += check_tracebacks(logs)
+    if stopped:  # nothing of a stopped run runs on (this check itself excepted)
+        violations += check_leaks(str(run_dir.resolve()), exclude=[os.getpid()])
     return RunCheck(violations, worst, checkpoints, len(logs))

@@ -369,7 +369,7 @@ class SupervisorCore:
             self.archiver.submit(path)  # on the upload thread: the tick never waits on S3
 
     def _checkpoint_dir(self) -> Path:
-        return Path(self.config.checkpoint.directory or self.store.dir / "checkpoints")
+        return checkpoint_directory(self.config, self.store.dir)
 
     def _newest_checkpoint(self) -> tuple[int, Path] | None:
         """The newest checkpoint the store knows, or a newer file in the checkpoint directory: a run
@@ -435,6 +435,11 @@ def _ray_node() -> dict:
     info = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
     return {"id": node_id, "ip": info.get("NodeManagerAddress"),
             "head": "node:__internal_head__" in info.get("Resources", {})}
+
+
+def checkpoint_directory(config: ClusterConfig, run_dir: Path) -> Path:
+    """Where a run's epoch checkpoints go: ``checkpoint.directory``, else the run directory's own."""
+    return Path(config.checkpoint.directory or Path(run_dir) / "checkpoints")
 
 
 def read_checkpoint(path: Path) -> tuple[int, Any]:

@@ -104,3 +104,13 @@ def test_a_process_left_behind_is_a_leak(tmp_path: Path) -> None:
         proc.stdin.close()
         proc.wait(timeout=10)
     assert check_leaks(marker) == []
+
+
+def test_the_time_no_supervisor_ran_is_no_stall(run_dir: Path) -> None:
+    """The hand-filled run was killed after its progress row at 6000 s and resumed at 7000 s: a new epoch
+    at 7600 s waited 1600 s, of which only 600 s with a supervisor running."""
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    db.execute("INSERT INTO progress VALUES (?, 21, 0.8, 45.0, 1, 6720)", (T0 + 7600,))
+    db.commit()
+    db.close()
+    assert check_run(run_dir, stopped=True).max_stall_s == 1500.0
