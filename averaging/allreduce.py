@@ -215,6 +215,7 @@ class _Reducer:
         payload = encode(self.chunks[c].codec, view)
         if payload["c"] != Codec.NONE.value:
             decode_into(payload, view)  # keep exactly what the senders will decode
+        payload = _owned(payload)
         self.encoded[c] = payload
         self.done[c].set_result(None)
         for s, why in refused.items():
@@ -255,6 +256,17 @@ class _Reducer:
         # shielded: the done futures are shared by every sender's handler, and cancelling a
         # waiter (or a gather) would cancel them for everybody
         await asyncio.shield(asyncio.gather(*self.done))
+
+
+def _owned(payload: dict) -> dict:
+    """A payload whose data is its own, not a view of the flat buffer.  A transport that cannot send
+    at once (a slow link, a receiver that stopped reading) keeps a reference to the bytes it was
+    given; the owner changes its buffer as soon as the round ends (the optimizer step, the next
+    accumulation), so a view would send those later values instead: members of one group would
+    step on different averages."""
+    if payload["c"] == Codec.NONE.value and payload["d"].numel():
+        return {**payload, "d": payload["d"].clone()}
+    return payload
 
 
 class AllReduceRound:
@@ -403,7 +415,7 @@ class AllReduceRound:
 
     def _outgoing(self, chunk: Chunk) -> dict:
         """The payload that carries our values of ``chunk``."""
-        return encode(chunk.codec, self.flat.flat[chunk.start:chunk.end])
+        return _owned(encode(chunk.codec, self.flat.flat[chunk.start:chunk.end]))
 
     async def _send_chunks(self, call: Any, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
         for chunk in chunks:

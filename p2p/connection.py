@@ -30,6 +30,7 @@ from .errors import (
 )
 from .identity import Identity, PeerID, verify
 from .limits import Limits
+from .throttle import Throttle, wake
 from .wire import Decoder, Encoder, FrameBudget
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class ConnectionHost(Protocol):
     encoder: Encoder
     frame_budget: FrameBudget
     membership: Membership | None
+    throttle: Throttle | None  # the node's rate limit (None: unlimited)
     _certificate_bytes: bytes | None  # ours, as the run's authority issued it last
 
     @property
@@ -159,7 +161,7 @@ class Connection(asyncio.BufferedProtocol):
         "closed_future", "streams", "handlers", "closed", "close_reason", "going_away", "remote_goaway",
         "last_activity", "bytes_in", "half_open", "_handshake_timer", "_sent_certificate", "_nonce",
         "_remote_pk", "_remote_nonce", "_next_sid", "_max_remote_sid", "_buffered", "_reading_paused",
-        "_budget_paused", "_transport_paused", "_write_paused", "_drain_waiters",
+        "_budget_paused", "_transport_paused", "_write_paused", "_drain_waiters", "_rate_timer", "_paced",
     )
 
     def __init__(self, host: ConnectionHost, dialer: bool, expected_peer: PeerID | None = None) -> None:
@@ -202,6 +204,8 @@ class Connection(asyncio.BufferedProtocol):
         self._transport_paused = False
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future] = []
+        self._rate_timer: asyncio.TimerHandle | None = None  # reading paused by the node's rate limit
+        self._paced: set[asyncio.Future] | None = None  # senders waiting out the rate limit (made on first use)
 
     # ---- asyncio protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -222,13 +226,23 @@ class Connection(asyncio.BufferedProtocol):
         self._write(self.encoder.encode(hello))
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer()
+        buf = self.decoder.get_buffer()
+        throttle = self.host.throttle
+        if throttle is not None and len(buf) > throttle.read_size:
+            return buf[:throttle.read_size]  # small reads: no large read slips past the limit at once
+        return buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
-        self.last_activity = self.loop.time()
+        self.last_activity = now = self.loop.time()
         self.bytes_in += nbytes
+        throttle = self.host.throttle
+        if throttle is not None:
+            delay = throttle.recv.delay(nbytes, now)
+            if delay > 0 and self._rate_timer is None:
+                self._rate_timer = self.loop.call_later(delay, self._end_rate_pause)
+                self._update_reading()
         self._run_decoder(self.decoder.buffer_updated, nbytes)
 
     def _run_decoder(self, step: Any, *args: Any) -> None:
@@ -266,14 +280,32 @@ class Connection(asyncio.BufferedProtocol):
             self._update_reading()
 
     def _update_reading(self) -> None:
-        """Pause the socket while flow control or the frame budget says so; resume otherwise."""
-        pause = self._reading_paused or self._budget_paused
+        """Pause the socket while flow control, the frame budget or the rate limit says so; resume otherwise."""
+        pause = self._reading_paused or self._budget_paused or self._rate_timer is not None
         if pause != self._transport_paused and self.transport is not None and not self.closed:
             self._transport_paused = pause
             if pause:
                 self.transport.pause_reading()
             else:
                 self.transport.resume_reading()
+
+    def _end_rate_pause(self) -> None:
+        """Resume reading once the rate limit's debt is paid (or the limit changed)."""
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
+            self._update_reading()
+
+    def rate_limit_changed(self) -> None:
+        """The node's rate limit changed or ended: whatever waits on the old one goes on at once
+        (the debt is carried over, so the new limit judges what comes next)."""
+        self._end_rate_pause()
+        self._wake_paced()
+
+    def _wake_paced(self) -> None:
+        if self._paced:
+            for w in self._paced:
+                wake(w)
 
     def _handshake_expired(self) -> None:
         self._handshake_timer = None
@@ -291,8 +323,7 @@ class Connection(asyncio.BufferedProtocol):
         self._write_paused = False
         waiters, self._drain_waiters = self._drain_waiters, []
         for w in waiters:
-            if not w.done():
-                w.set_result(None)
+            wake(w)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed:
@@ -311,23 +342,51 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self.transport.writelines(bufs)
 
-    def send_nowait(self, header: dict) -> None:
-        """Encode and queue a message (EncodeError goes to the caller; nothing is sent then)."""
+    def send_nowait(self, header: dict) -> list:
+        """Encode and queue a message (EncodeError goes to the caller; nothing is sent then).
+
+        Returns the buffers written, for the rate limit to count; the rate limit does not hold
+        these back (control messages are small)."""
         bufs = self.encoder.encode(header)
         if self.closed:
             raise PeerUnreachable(self._unreachable_text())
         self.last_activity = self.loop.time()
         self._write(bufs)
+        return bufs
 
     async def send(self, header: dict) -> None:
-        """Like send_nowait, then wait until the socket took the bytes if its buffer was full.
+        """Like send_nowait, then wait out the node's rate limit if it has one, and until the socket
+        took the bytes if its buffer was full.
 
         Returning means tensors in the message were either sent or copied by the transport, so
         the caller may modify them.
         """
-        self.send_nowait(header)
+        bufs = self.send_nowait(header)
+        throttle = self.host.throttle
+        if throttle is not None:
+            await self._pace(throttle, bufs)
         if self._write_paused:
             await self.drain()
+
+    async def _pace(self, throttle: Throttle, bufs: list) -> None:
+        """After writing ``bufs``, wait until the node's send bucket has paid for them, so that the
+        node's senders together keep to its rate; woken early when the limit changes or the
+        connection closes (PeerUnreachable then).  Cancelling the wait leaves the debt in the bucket."""
+        delay = throttle.send.delay(sum(map(len, bufs)), self.loop.time())
+        if delay <= 0:
+            return
+        waiter = self.loop.create_future()
+        timer = self.loop.call_later(delay, wake, waiter)
+        if self._paced is None:
+            self._paced = set()
+        self._paced.add(waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._paced.discard(waiter)
+        if self.closed:
+            raise PeerUnreachable(self._unreachable_text())
 
     @property
     def write_paused(self) -> bool:
@@ -610,9 +669,12 @@ class Connection(asyncio.BufferedProtocol):
         for task in list(self.handlers.values()):
             task.cancel(f"connection closed: {self.close_reason}")
         for w in self._drain_waiters:
-            if not w.done():
-                w.set_result(None)
+            wake(w)
         self._drain_waiters.clear()
+        self._wake_paced()
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
 
 
 def _error_header(sid: int, type_name: str, message: str) -> dict:

@@ -7,6 +7,7 @@ Many peers can live in one event loop (``spawn_peers``); nothing here is global.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import types
@@ -20,7 +21,8 @@ from .errors import PeerUnreachable, RemoteError, RPCTimeout
 from .identity import Identity, PeerID
 from .limits import Limits
 from .membership import Certificate, Membership
-from .wire import Encoder, FrameBudget
+from .throttle import Throttle, check_rate
+from .wire import EncodeError, Encoder, FrameBudget
 
 logger = logging.getLogger(__name__)
 _NOTHING: Any = object()
@@ -183,6 +185,7 @@ class P2P:
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stall_marks: dict[Connection, int] = {}
         self._stall_since = 0.0
+        self.throttle: Throttle | None = None  # set_rate_limit; None (unlimited) costs one check per send and read
 
     @classmethod
     async def create(cls, host: str = "127.0.0.1", port: int = 0, *, client_mode: bool = False,
@@ -275,8 +278,12 @@ class P2P:
                 response = await fn(request, ctx)
                 await conn.send({"s": sid, "t": DATA, "e": 1, "p": response})
             else:
-                async for item in fn(request, ctx):
-                    await conn.send({"s": sid, "t": DATA, "e": 0, "p": item})
+                # closed here, in this task, whatever ends it: left to the event loop's finalizer, a
+                # generator cancelled mid-send is closed at the loop's shutdown, while already closing
+                items = fn(request, ctx)
+                async with contextlib.aclosing(items) if hasattr(items, "aclose") else contextlib.nullcontext():
+                    async for item in items:
+                        await conn.send({"s": sid, "t": DATA, "e": 0, "p": item})
                 await conn.send({"s": sid, "t": END})
         except asyncio.CancelledError as e:  # the caller cancelled, the deadline passed, or shutdown
             logger.debug("handler %s for %s stopped: %s", stream.method, conn.remote_id, e.args[0] if e.args else
@@ -322,11 +329,12 @@ class P2P:
             if self.auth is not None:
                 h["a"] = self.auth.outgoing(method, h)
             try:
-                conn.send_nowait(h)
-                if conn.write_paused:
-                    await conn.drain()
-            except BaseException:
-                stream.release()
+                await conn.send(h)
+            except EncodeError:
+                stream.release()  # nothing was sent
+                raise
+            except BaseException:  # sent, then cancelled (waiting out a full buffer or the rate limit)
+                conn.cancel_stream(stream)
                 raise
             return Call(self, stream, deadline)
         raise PeerUnreachable(f"{peer}: every connection was going away")
@@ -537,9 +545,10 @@ class P2P:
         if not self.frame_budget.waiting:
             return
         elapsed = self.loop.time() - self._stall_since
+        throttled = self.throttle is not None  # we slow our own reading: not the holders' fault
         for conn, mark in marks.items():
             # A connection we paused ourselves (its data is not consumed yet) is not stalling.
-            if conn.closed or not conn.decoder.reserved or conn._reading_paused:
+            if conn.closed or not conn.decoder.reserved or conn._reading_paused or throttled:
                 continue
             got = conn.bytes_in - mark
             if got < self.limits.min_frame_rate * elapsed:
@@ -547,6 +556,34 @@ class P2P:
                            f"{conn.decoder.reserved} bytes of the frame budget that others wait for")
         if self.frame_budget.waiting:
             self._budget_blocked()
+
+    # ---- rate limit ------------------------------------------------------------------------
+    def set_rate_limit(self, bytes_per_s: float | None) -> None:
+        """Limit the bytes this node sends, and separately those it receives, over all its connections,
+        to ``bytes_per_s`` each (None: unlimited, the default) -- a slow link where ``tc`` is unavailable.
+
+        Callable from any thread: a bad value raises ValueError at once; from another thread the
+        change takes effect at the loop's next turn.  Changing or clearing it wakes every sender and
+        reader waiting on the old limit at once."""
+        rate = check_rate(bytes_per_s)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self._apply_rate_limit(rate)
+        else:
+            self.loop.call_soon_threadsafe(self._apply_rate_limit, rate)
+
+    def _apply_rate_limit(self, rate: float | None) -> None:
+        old = self.throttle
+        if old is None and rate is None:
+            return
+        self.throttle = None if rate is None else Throttle(rate, self.loop.time(), old)
+        logger.info("%s: rate limit %s", self, "off" if rate is None else f"{rate:g} bytes/s each way")
+        if old is not None:
+            for conn in list(self._connections):
+                conn.rate_limit_changed()
 
     # ---- renewal ---------------------------------------------------------------------------
     def renew_certificate(self, cert: Certificate) -> None:
