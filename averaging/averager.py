@@ -105,6 +105,7 @@ class DecentralizedAverager:
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
         self._lock = asyncio.Lock()
+        self.phase = "idle"  # or matchmaking / all-reduce: where a fault that hits this peer now lands
         node.p2p.register(self.method, self._rpc_allreduce, CallKind.BIDI)
 
     @property
@@ -132,36 +133,46 @@ class DecentralizedAverager:
         problem = weight_problem(weight, self.max_weight)
         if problem is not None:
             raise ValueError(f"{problem}: a weight must be finite, >= 0 and at most max_weight")
-        loop = asyncio.get_running_loop()
         async with self._lock:
-            started = loop.time()
-            mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
-            total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
-            deadline = started + total
-            group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
-                                          weight)
-            matched = loop.time()
-            if group is None or group.size < 2:
-                return StepResult(1, matchmaking_time=matched - started)
-            round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, self.codec,
-                                      self.chunk_size, self.sender_timeout, self.window,
-                                      max_weight=self.max_weight, norm_ratio=self.norm_ratio)
-            future = self._rounds.setdefault(group.group_id, loop.create_future())
-            if not future.done():
-                future.set_result(round_)
             try:
-                outcome = await round_.run(min(matched + self.allreduce_timeout, max(deadline, matched + 1e-3)))
+                return await self._step(weight, timeout, group_key, target_group_size, abort)
             finally:
-                self._rounds.pop(group.group_id, None)
-            return StepResult(
-                group_size=group.size,
-                failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],
-                excluded={group.peer_ids[i]: outcome.failed[i] for i in sorted(outcome.failed)},
-                bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
-                matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
-                group_id=group.group_id.hex(), my_index=group.my_index,
-                group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes),
-                unaveraged_parts=sorted(outcome.unaveraged))
+                self.phase = "idle"
+
+    async def _step(self, weight: float, timeout: float | None, group_key: str, target_group_size: int | None,
+                    abort: asyncio.Event | None) -> StepResult:
+        """One matchmaking, then one round with the group found (if any)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.phase = "matchmaking"
+        mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
+        total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
+        deadline = started + total
+        group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
+                                      weight)
+        matched = loop.time()
+        if group is None or group.size < 2:
+            return StepResult(1, matchmaking_time=matched - started)
+        self.phase = "all-reduce"
+        round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, self.codec,
+                                  self.chunk_size, self.sender_timeout, self.window,
+                                  max_weight=self.max_weight, norm_ratio=self.norm_ratio)
+        future = self._rounds.setdefault(group.group_id, loop.create_future())
+        if not future.done():
+            future.set_result(round_)
+        try:
+            outcome = await round_.run(min(matched + self.allreduce_timeout, max(deadline, matched + 1e-3)))
+        finally:
+            self._rounds.pop(group.group_id, None)
+        return StepResult(
+            group_size=group.size,
+            failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],
+            excluded={group.peer_ids[i]: outcome.failed[i] for i in sorted(outcome.failed)},
+            bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
+            matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
+            group_id=group.group_id.hex(), my_index=group.my_index,
+            group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes),
+            unaveraged_parts=sorted(outcome.unaveraged))
 
     async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
                          abort: asyncio.Event | None, weight: float) -> GroupInfo | None:

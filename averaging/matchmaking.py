@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +118,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         self._target = min(target_group_size or self.target_group_size, self.target_group_size)
         self._weight = weight
-        declared_at = time.time()
+        declared_at = self.node.clock.now()  # compared with the others' declarations: the swarm's time
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
         key = self._dht_key(group_key)
         declaration = {"a": self.p2p.listen_address_str and str(self.p2p.address), "t": declared_at,

@@ -5,6 +5,7 @@ groups meet, training progress is tracked and state donors are found. Records ex
 subkeys merged across writers, and may be signed by their owner.
 """
 
+from .clock import LocalClock, SwarmClock, local_time
 from .dht import DHT
 from .node import DHTNode, RecordTooLarge, ValueWithExpiration
 from .routing import Contact, RoutingTable
@@ -20,7 +21,7 @@ from .validation import (
 )
 
 __all__ = [
-    "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "KeyRule", "RecordTooLarge", "RecordValidator",
-    "RoutingTable", "SchemaValidator", "SignatureValidator", "ValidationError", "ValueWithExpiration",
-    "default_validators",
+    "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "KeyRule", "LocalClock", "RecordTooLarge",
+    "RecordValidator", "RoutingTable", "SchemaValidator", "SignatureValidator", "SwarmClock", "ValidationError",
+    "ValueWithExpiration", "default_validators", "local_time",
 ]

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from p2p import PeerAddress
 from p2p.loop_thread import BlockingFace
 
+from .clock import SwarmClock
 from .node import DHTNode, ValueWithExpiration
 
 T = TypeVar("T")
@@ -42,6 +43,11 @@ class DHT(BlockingFace):
     def addresses(self) -> list[str]:
         """Where others can reach this peer (``peerid@host:port``); empty in client mode."""
         return [str(self.node.address)] if self.node.address else []
+
+    @property
+    def clock(self) -> SwarmClock:
+        """The swarm clock (any thread): expiration times and cross-peer times are by ``clock.now()``."""
+        return self.node.clock
 
     # ---- records -------------------------------------------------------------------------------
     def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None,

@@ -20,6 +20,7 @@ import msgpack
 from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerUnreachable
 from p2p.node import CallContext
 
+from .clock import SwarmClock, local_time
 from .routing import ID_BYTES, Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
 from .storage import Entry, Storage, merge_entries
 from .validation import CompositeValidator, DHTRecord, RecordValidator, SignatureValidator, ValidationError, show_raw
@@ -85,8 +86,13 @@ class DHTNode:
 
     Values are any msgpack-serializable Python data (None, bool, int, float, str, bytes, lists,
     dicts; tuples come back as lists). Keys and subkeys are hashable msgpack-serializable data
-    (a tuple subkey comes back as a tuple).  Expiration times are absolute wall-clock seconds
-    (``time.time()``), at most ``max_expiration`` ahead.
+    (a tuple subkey comes back as a tuple).  Expiration times are absolute wall-clock seconds by
+    the swarm clock (``node.clock.now()``), at most ``max_expiration`` ahead.
+
+    ``clock`` is this machine's wall clock (``dht.clock.local_time``: ``time.time()``); ``node.clock``
+    is the swarm clock built on it, corrected toward the peers' clocks from a ping to
+    ``clock_sample_peers`` contacts every ``clock_sample_interval`` seconds (0: no correction, for a
+    clock that does not advance with ``time.monotonic()``, such as a test's frozen one).
 
     Owner signatures are checked even with no validators given (``verify_signatures``); a
     ``SignatureValidator`` passed in ``validators`` also signs this node's owned records.
@@ -97,13 +103,17 @@ class DHTNode:
                  rpc_timeout: float = 3.0, max_key_bytes: int = 1024, max_value_bytes: int = 1 << 20,
                  max_records: int = 100_000, clock_drift: float = 1.0, refresh_period: float = 600.0,
                  max_expiration: float = 86400.0, max_subkeys: int = 1024, max_key_total_bytes: int = 2 << 20,
-                 verify_signatures: bool = True, clock: Callable[[], float] = time.time) -> None:
+                 verify_signatures: bool = True, clock: Callable[[], float] = local_time,
+                 clock_sample_interval: float = 2.0, clock_sample_peers: int = 2) -> None:
         self.p2p = p2p
         self._owns_p2p = owns_p2p
         self.node_id = node_id_of(p2p.peer_id)
         self.client_mode = p2p.client_mode
         self.routing = RoutingTable(self.node_id, bucket_size, depth_modulo)
-        self.storage = Storage(max_records=max_records, clock=clock, clock_drift=clock_drift,
+        self.clock = SwarmClock(clock)  # what every cross-peer time comparison of this peer reads
+        self.clock_sample_interval = clock_sample_interval
+        self.clock_sample_peers = clock_sample_peers
+        self.storage = Storage(max_records=max_records, clock=self.clock.now, clock_drift=clock_drift,
                                max_expiration=max_expiration, max_subkeys=max_subkeys,
                                max_key_total_bytes=max_key_total_bytes)
         validators = list(validators)
@@ -146,6 +156,13 @@ class DHTNode:
             raise
         if node.refresh_period > 0:
             node.spawn(node._refresh_loop())
+        if node.clock_sample_interval > 0:
+            try:  # before the first record this node writes: a wrong local clock is corrected already
+                await node._sample_clocks()
+            except BaseException:
+                await node.shutdown()
+                raise
+            node.spawn(node._clock_loop())
         return node
 
     # ---- identity ------------------------------------------------------------------------------
@@ -489,12 +506,19 @@ class DHTNode:
         self._seen(contact)
         return results
 
-    async def _ping(self, contact: Contact) -> bool:
+    async def _ping(self, contact: Contact, timeout: float | None = None, forget: bool = True) -> bool:
+        sent = time.monotonic()
         try:
-            await self.p2p.call(contact.address, PING, {"a": self._announce}, timeout=self.rpc_timeout)
+            reply = await self.p2p.call(contact.address, PING, {"a": self._announce},
+                                        timeout=self.rpc_timeout if timeout is None else timeout)
         except P2PError as e:
-            self._forget(contact, e)
+            if forget:
+                self._forget(contact, e)
+            else:
+                logger.debug("clock sample from %s failed: %s", contact.peer_id, e)
             return False
+        if self.clock_sample_interval > 0 and isinstance(reply, dict):
+            self.clock.record(contact.node_id, reply.get("t"), sent, time.monotonic())
         self._seen(contact)
         return True
 
@@ -538,6 +562,30 @@ class DHTNode:
                 target = random.randrange(bucket.lower, bucket.upper)
                 await self._traverse([self._new_search(target, None, self.bucket_size, False)], want_values=False)
 
+    async def _sample_clocks(self) -> None:
+        """Ping the ``clock_sample_peers`` least recently sampled contacts for their clocks.  A contact
+        that does not answer stays: dropping contacts is for calls that needed an answer."""
+        contacts = sorted(self.routing.contacts(), key=lambda c: (self.clock.last_sampled(c.node_id),
+                                                                random.random()))
+        timeout = min(self.rpc_timeout, 2 * self.clock.max_rtt)
+        await asyncio.gather(*(self._ping(c, timeout, forget=False) for c in contacts[: self.clock_sample_peers]))
+        self.clock.prune()
+
+    async def _clock_loop(self) -> None:
+        """Sample clocks every ``clock_sample_interval``: the DHT's own pings are too rare to notice
+        a peer's clock step within seconds."""
+        reported = self.clock.offset
+        if abs(reported) > 0.5:
+            logger.info("swarm clock: the local wall clock is %+.3f s off the swarm's", -reported)
+        while True:
+            await asyncio.sleep(self.clock_sample_interval)
+            await self._sample_clocks()
+            offset = self.clock.offset
+            if abs(offset - reported) > 0.5:
+                logger.info("swarm clock: the local wall clock is %+.3f s off the swarm's (%d peers' clocks)",
+                            -offset, self.clock.voters)
+                reported = offset
+
     def spawn(self, coro: Any) -> None:
         """Background work that lives as long as this node: cancelled and awaited at its shutdown."""
         if self._closed:
@@ -551,7 +599,7 @@ class DHTNode:
     async def _rpc_ping(self, request: Any, ctx: CallContext) -> dict:
         if isinstance(request, dict):
             self._learn_sender(ctx, request.get("a"))
-        return {"a": self._announce, "t": time.time()}
+        return {"a": self._announce, "t": self.clock.local()}  # uncorrected: peers take the median of these
 
     async def _rpc_find(self, request: Any, ctx: CallContext) -> list:
         if not isinstance(request, dict) or not isinstance(request.get("k"), list):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -264,7 +263,7 @@ class ExpertServer:
             if not chosen:
                 return True
             # newer than anything stored before, a withdrawal of an expert hosted again included
-            until = max(time.time() + self.expiration, self._latest_until + 1e-3)
+            until = max(self.dht.clock.now() + self.expiration, self._latest_until + 1e-3)
             self._latest_until = until  # even a failed store may have left records
             ok = await declare_experts(self.dht, chosen, self.address, until)
             self.declared_until = max(self.declared_until or 0.0, until)
@@ -285,7 +284,7 @@ class ExpertServer:
         assert self.dht is not None
         async with self._dht_lock:
             # just newer than our last declaration, so any later declaration (a restart, a replica) wins
-            until = max(self._latest_until, time.time()) + 1e-3
+            until = max(self._latest_until, self.dht.clock.now()) + 1e-3
             self._latest_until = until
             ok = await withdraw_experts(self.dht, uids, self.address, until)
         if not ok:

@@ -3,6 +3,7 @@ unretrieved exception, an unclosed transport): a clean shutdown leaves no traceb
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -58,6 +59,20 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.fixture(scope="session")
 def wait_for():
     return _wait_for
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    """``_wait_for`` for async tests: the event loop runs between polls."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def until():
+    return _until
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ class EpochReport:
     samples: int
     loss: float | None
     averaging_time: float
+    group_id: str | None = None  # the all-reduce group this epoch's gradients were averaged in
 
 
 @dataclass
@@ -91,6 +92,7 @@ class CollaborativeOptimizer:
         self._last_advert = 0.0
         self.advert_expiration = 60.0
         self._leaving = False
+        self._downloading = False
         self._alone_not_before = 0.0  # monotonic time before which we never step alone (see _rejoin)
         self._next_reconnect = 0.0  # monotonic time before which we do not try _reconnect_if_isolated again
         # held while parameters, optimizer state and epoch change together, and while a donor snapshots
@@ -242,7 +244,7 @@ class CollaborativeOptimizer:
                 self.scheduler.step()
             self.epoch += 1
         self.history.append(EpochReport(self.epoch - 1, result.group_size, self.local_samples, self.last_loss,
-                                        time.monotonic() - started))
+                                        time.monotonic() - started, result.group_id))
         self._reset_accumulators()
         self._report(force=True)
         self._advertise()
@@ -279,7 +281,7 @@ class CollaborativeOptimizer:
             last = self.tracker.last_report
             if last is not None and time.monotonic() - refreshed > self.tracker.fresh_for / 2:
                 refreshed = time.monotonic()
-                self.tracker.publish(last.model_copy(update={"time": time.time()}))
+                self.tracker.publish(last.model_copy(update={"time": self.tracker.now()}))
 
     def _restore_accumulated(self) -> None:
         if self.local_steps:
@@ -301,12 +303,20 @@ class CollaborativeOptimizer:
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
         return self.epoch, state
 
+    @property
+    def phase(self) -> str:
+        """What this peer's network work is busy with now: matchmaking, all-reduce, state download or idle."""
+        return "state download" if self._downloading else self.averager.phase
+
     def _load_state_if_any(self, min_epoch: int = 0) -> bool:
+        self._downloading = True
         try:
             epoch, state = self._call(lambda n: self.state.download(min_epoch))
         except StateUnavailable as e:
             logger.info("no state to load yet (%s); starting from epoch %d", e, self.epoch)
             return False
+        finally:
+            self._downloading = False
         with self._state_lock, torch.no_grad():
             for p, value in zip(self.params, state["params"], strict=True):
                 p.copy_(value)
@@ -333,7 +343,8 @@ class CollaborativeOptimizer:
             return
         self._last_report = now
         progress = PeerProgress(epoch=self.epoch, samples=self.local_samples, samples_per_second=self._throughput,
-                                time=time.time(), client_mode=self.dht.node.client_mode, loss=self.last_loss)
+                                time=self.tracker.now(), client_mode=self.dht.node.client_mode,
+                                loss=self.last_loss)
         if wait:
             self._call(lambda n: self.tracker.report(progress))
         else:

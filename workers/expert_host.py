@@ -9,7 +9,7 @@ a new expert starts equal).  A hosted expert is declared in the DHT at once, so 
 without waiting for the next period.
 
 Replicas of one expert train on whatever calls reach them, so they drift apart; every
-``replica_average_every_s`` seconds (aligned to the wall clock, so the replicas look for each other
+``replica_average_every_s`` seconds (aligned to the swarm clock, so the replicas look for each other
 at the same moments) each hosted expert averages its parameters with its other replicas through a
 ``DecentralizedAverager`` of its own.  The average is taken of a snapshot, never of the live
 parameters under the runtime thread, and what the expert learned meanwhile is kept: the live
@@ -203,6 +203,12 @@ class ExpertHost:
             self.server.p2p.renew_certificate(cert)
         self._face.run(renew(), 30)
 
+    def throttle(self, bytes_per_s: float | None) -> None:
+        """Limit what this host sends and receives to ``bytes_per_s`` each (None: lift the limit), as if
+        its link had slowed down; its expert server, DHT and replica averaging share the one P2P node.
+        Safe from any thread; ValueError for a value that is not a positive finite number."""
+        self.server.p2p.set_rate_limit(bytes_per_s)
+
     # ---- the hosted set --------------------------------------------------------------------------
     def assign(self, uids: list[str], donors: dict[str, list[str]] | None = None,
                checkpoints: dict[str, bytes] | None = None, timeout: float = 30.0) -> list[HandOff]:
@@ -380,8 +386,9 @@ class ExpertHost:
     async def _replica_loop(self) -> None:
         every = self.config.replica_average_every_s
         while True:
-            # every host's ticks fall on the same wall-clock multiples, so replicas meet at once
-            await asyncio.sleep(every - time.time() % every)
+            # every host's ticks fall on the same multiples of the swarm clock, so replicas meet at once
+            now = self.server.dht.clock.now() if self.server.dht is not None else time.time()
+            await asyncio.sleep(every - now % every)
             for uid, replica in list(self._replicas.items()):
                 if replica.task is None or replica.task.done():
                     replica.task = asyncio.get_running_loop().create_task(self._average(uid, replica),

@@ -93,7 +93,7 @@ class MoshpitSGD:
         if not force and time.monotonic() - self._last_report < self.tracker.expiration / 3:
             return
         self._last_report = time.monotonic()
-        progress = PeerProgress(epoch=self.epoch, samples=self.samples, samples_per_second=0.0, time=time.time(),
+        progress = PeerProgress(epoch=self.epoch, samples=self.samples, samples_per_second=0.0, time=self.tracker.now(),
                                 client_mode=self.dht.node.client_mode, loss=self.last_loss)
         tracker = self.tracker
         self.dht.run_coroutine(lambda _n: tracker.report(progress))

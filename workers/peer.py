@@ -143,6 +143,11 @@ class TrainingPeer:
     def epoch(self) -> int:
         return self.optimizer.epoch
 
+    @property
+    def phase(self) -> str:
+        """matchmaking, all-reduce, state download, or idle (computing gradients)."""
+        return getattr(self.optimizer, "phase", "idle")
+
     def run(self) -> None:
         """Train until max_epochs / max_seconds or ``prepare_to_leave``."""
         cfg = self.config
@@ -188,6 +193,24 @@ class TrainingPeer:
         cert = Certificate.from_token(token)
         self.dht.renew_certificate(cert)
 
+    def throttle(self, bytes_per_s: float | None) -> None:
+        """Limit what this peer sends, and what it receives, to ``bytes_per_s`` each (None: lift the
+        limit), as if its link had slowed down: fault injection where ``tc`` cannot shape traffic.
+
+        Safe from any thread (the change is handed to each node's event loop); ValueError for a value
+        that is not a positive finite number.  The DHT, the averager, state sharing and the experts
+        found through the DHT all talk through the DHT's one P2P node; a mixture with a client of its
+        own is limited as well."""
+        nodes = [self.dht.node.p2p, *(m.client.p2p for m in self.mixtures if hasattr(m, "client"))]
+        for p2p in {id(p): p for p in nodes}.values():
+            p2p.set_rate_limit(bytes_per_s)
+
+    def jump_clock(self, seconds: float) -> None:
+        """Step this peer's wall clock by ``seconds``, as an NTP step or a VM resume would (from any
+        thread; a fault injector's hook).  Everything the peer compares across machines reads it
+        through its DHT's swarm clock, so the others' clocks keep its view of liveness right."""
+        self.dht.clock.jump(seconds)
+
     def _wait_for_peers(self) -> None:
         """Start together: a lone first peer would otherwise race through epochs on its own."""
         cfg = self.config
@@ -211,6 +234,8 @@ class TrainingPeer:
         record.update(self._moe_record())
         if self._report is not None or self.config.param_digests:  # hashing every parameter is not free
             record["params"] = params_digest(list(self.model.parameters()))
+            steps = getattr(self.optimizer, "history", None)
+            record["group"] = getattr(steps[-1], "group_id", None) if steps else None  # who it averaged with
         self.history.append(record)
         if self._report is not None:
             self._report.write(json.dumps(record) + "\n")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import pydantic
@@ -69,12 +68,17 @@ class ProgressTracker:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def now(self) -> float:
+        """The swarm clock's time (any thread): a record's ``time`` is compared on other machines, so
+        one peer's stepped wall clock must not make it, or the others, misjudge who is live."""
+        return self.node.clock.now()
+
     async def report(self, progress: PeerProgress) -> None:
         self.last_report = progress
-        await self.node.store(self.key, progress.model_dump(), time.time() + self.expiration, subkey=self.subkey)
+        await self.node.store(self.key, progress.model_dump(), self.now() + self.expiration, subkey=self.subkey)
 
     async def withdraw(self) -> None:
-        await self.node.store(self.key, None, time.time() + self.expiration + 1, subkey=self.subkey)
+        await self.node.store(self.key, None, self.now() + self.expiration + 1, subkey=self.subkey)
 
     async def peers(self) -> dict[str, PeerProgress]:
         return (await self._read())[0]
@@ -147,7 +151,7 @@ class ProgressTracker:
         time) keeps its last record until that would have expired in the DHT too, unless it withdrew:
         one short read must not make the others look gone, or a peer would step alone."""
         found, withdrawn = await self._read()
-        cutoff = time.time() - self.expiration
+        cutoff = self.now() - self.expiration
         kept = {k: p for k, p in self._seen.items() if k not in withdrawn and k not in found and p.time >= cutoff}
         self._seen = {**kept, **found}
 
@@ -158,7 +162,7 @@ class ProgressTracker:
             return GlobalProgress(0, 0.0, self.target, 0.0, 0, float("inf"))
         epoch = max(p.epoch for p in peers.values())
         current = [p for p in peers.values() if p.epoch == epoch]
-        now = time.time()
+        now = self.now()
         samples = sum(min(p.samples + p.samples_per_second * max(now - p.time, 0.0), self.target) for p in current)
         rate = sum(p.samples_per_second for p in current)
         eta = 0.0 if samples >= self.target else ((self.target - samples) / rate if rate > 0 else float("inf"))

@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,11 +105,11 @@ class StateSharer:
     async def advertise(self, epoch: int, expiration: float = 60.0) -> None:
         if self.node.client_mode:
             return
-        await self.node.store(self.key, {"epoch": epoch, "a": str(self.node.address)}, time.time() + expiration,
-                              subkey=self.subkey)
+        await self.node.store(self.key, {"epoch": epoch, "a": str(self.node.address)},
+                              self.node.clock.now() + expiration, subkey=self.subkey)
 
     async def withdraw(self) -> None:
-        await self.node.store(self.key, None, time.time() + 3600, subkey=self.subkey)
+        await self.node.store(self.key, None, self.node.clock.now() + 3600, subkey=self.subkey)
 
     def _current(self) -> _Snapshot:
         with self.lock:  # the copy, not only the read: the owner changes its tensors in place

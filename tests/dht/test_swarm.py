@@ -50,7 +50,9 @@ async def test_later_expiration_wins_across_the_swarm(make_swarm):
 
 async def test_records_expire(make_swarm):
     clock = [1_000_000.0]
-    nodes = await make_swarm(16, clock=lambda: clock[0], clock_drift=0.0)
+    # a clock that stands still does not advance with time.monotonic(), as the swarm clock's samples
+    # assume: no correction, every node reads the shared clock as it is
+    nodes = await make_swarm(16, clock=lambda: clock[0], clock_drift=0.0, clock_sample_interval=0)
     assert await nodes[0].store("short", 1, clock[0] + 10)
     assert await nodes[0].store("long", 2, clock[0] + 100)
     assert (await nodes[9].get("short")).value == 1
