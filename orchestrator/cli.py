@@ -145,6 +145,39 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    """Exit 0: every invariant held through every fault; 1: some broke (each printed); 2: cannot start."""
+    import signal
+    import threading
+
+    from .chaos import ChaosError, ChaosRun, ChaosSettings
+    from .config import ConfigError
+    from .config_checks import load_cluster_config
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        config = load_cluster_config(args.config)
+        kinds = () if args.kinds == "none" else \
+            tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
+        settings = ChaosSettings(args.duration, seed=args.seed, every_s=args.every, stall_bound_s=args.stall_bound,
+                                 **({"kinds": kinds} if kinds is not None else {}))
+        report = ChaosRun(config, settings, config_path=args.config, stop=stop).run()
+    except ConfigError as e:
+        print(f"spotswarm chaos: invalid config, nothing started:\n{e}", file=sys.stderr)
+        return 2
+    except ChaosError as e:
+        print(f"spotswarm chaos: {e}", file=sys.stderr)
+        return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    from .chaos import print_report
+
+    print_report(report, _console())
+    return 0 if not report.violations else 1
+
+
 def _dashboard(args: argparse.Namespace) -> int:
     from .cluster import dashboard
 
@@ -269,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--stall-bound", type=float, metavar="S",
                     help="a violation if no new epoch came for longer than S seconds of the run's clock")
     ck.set_defaults(func=_check)
+    ch = sub.add_parser("chaos", help="a local nodes-mode run under injected faults, its invariants checked "
+                                      "throughout; the report is <run>/chaos.json and the dashboard's chaos page")
+    ch.add_argument("config", help="cluster YAML (local provider, mode nodes, time_scale 1), e.g. "
+                                   "cluster_configs/local-chaos.yaml")
+    ch.add_argument("--duration", type=float, default=300.0, help="seconds of faults after the first epoch "
+                                                                  "(default 300)")
+    ch.add_argument("--seed", type=int, default=0, help="draws the faults' moments, kinds and targets (default 0)")
+    ch.add_argument("--every", type=float, default=15.0, metavar="S", help="mean seconds between faults (default 15)")
+    ch.add_argument("--stall-bound", type=float, default=60.0, metavar="S",
+                    help="a violation if no new epoch comes for longer (default 60)")
+    ch.add_argument("--kinds", metavar="K1,K2", help="only these fault kinds (default all: worker_kill, node_kill, "
+                                                     "supervisor_kill, worker_pause, bandwidth_drop, disk_full, "
+                                                     "clock_jump; none: the same run without faults)")
+    ch.set_defaults(func=_chaos)
     db = sub.add_parser("dashboard", help="serve a run's cost and throughput dashboard (live or finished)")
     db.add_argument("run", help="run directory")
     db.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -56,10 +56,15 @@ def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "s
     _quiet_worker_deaths()
 
 
+# Ray's paragraphs for a worker process or a whole node that died: on a spot fleet, a preemption
+_PREEMPTION_NOISE = ("worker died or was killed", "has been marked dead because the detector")
+
+
 def _quiet_worker_deaths() -> None:
-    """Ray prints a paragraph on the driver's stdout for every worker process that dies ("A worker
-    died or was killed ... OOM killer ...").  On a spot fleet a dead worker is a preemption, which
-    the supervisor reports in one line of its own, so those paragraphs go to the debug log."""
+    """Ray prints a paragraph on the driver's stdout for every worker process or node that dies ("A
+    worker died or was killed ... OOM killer ...", "... has been marked dead ...").  On a spot fleet
+    that is a preemption, which the supervisor reports in one line of its own, so those paragraphs
+    go to the debug log."""
     import ray._private.worker as ray_worker
 
     original = ray_worker.print_to_stdstream
@@ -67,8 +72,8 @@ def _quiet_worker_deaths() -> None:
         return
 
     def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
-        if data.get("pid") == "raylet" and any("worker died or was killed" in line.lower()
-                                                for line in data.get("lines", ())):
+        if data.get("pid") == "raylet" and any(quiet in line.lower() for line in data.get("lines", ())
+                                                for quiet in _PREEMPTION_NOISE):
             logging.getLogger("spotswarm.ray").debug("%s", " ".join(data["lines"]))
             return
         original(data, ignore_prefix)

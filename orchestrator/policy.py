@@ -435,15 +435,18 @@ class FleetPolicy:
 
     def _boot_failed(self, now: float) -> None:
         """An instance died before its worker ran (a broken image or boot script, a full disk):
-        back off exponentially instead of buying machines as fast as they fail."""
+        back off exponentially instead of buying machines as fast as they fail.  One such death
+        alone (a machine reclaimed or killed while booting) is relaunched at once."""
         self._boot_failures += 1
-        wait = min(self.boot_backoff_s * 2 ** (self._boot_failures - 1), 3600.0)
+        if self._boot_failures == 1:
+            return
+        wait = min(self.boot_backoff_s * 2 ** (self._boot_failures - 2), 3600.0)
         self._launch_not_before = now + wait
         self.status_text = (f"{self._boot_failures} instances in a row died while booting; "
                             f"next launch in {wait:.0f} s")
         self.store.event("boot_backoff", detail={"failures": self._boot_failures, "wait_s": wait})
 
-    #: clock seconds before the first relaunch after an instance died while booting (then doubling)
+    #: clock seconds before a relaunch after a second instance in a row died while booting (then doubling)
     boot_backoff_s: float = 30.0
 
     #: clock seconds of spending the budget check keeps in reserve (a few ticks of the supervisor)

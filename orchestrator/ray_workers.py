@@ -120,13 +120,24 @@ class WorkerActor:
 
     def status(self) -> dict:
         peer, host = self.peer, self.host
-        status = {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(),
+        status = {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(), "pid": os.getpid(),
+                  "phase": peer.phase if peer else "idle",
                   "notice": self.instance_notice, "rebalance_at": self.rebalance_at,
                   "node_id": ray.get_runtime_context().get_node_id(),
                   "peer_id": str(peer.dht.peer_id) if peer else None, "address": peer.address if peer else None}
         if host is not None:
             status.update(role="experts", peer_id=host.peer_id, address=host.address, hosted=host.hosted())
         return status
+
+    def throttle(self, bytes_per_s: float | None) -> None:
+        """Cap this peer's traffic (None: no cap): a fault injector's slow link where no tc shapes one."""
+        if self.peer is not None:
+            self.peer.throttle(bytes_per_s)
+
+    def jump_clock(self, seconds: float) -> None:
+        """Step this process's wall clock (a fault injector's NTP step or VM resume)."""
+        if self.peer is not None:
+            self.peer.jump_clock(seconds)
 
     def history(self) -> list[dict]:
         """The peer's per-epoch records (epoch, loss, samples/s, parameter digest)."""
@@ -208,8 +219,15 @@ class RayWorkers:
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
         """Start the worker on the instance's own node; blocks until the node joined and it runs."""
-        actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True,
-                             num_gpus=self.gpus.get(instance.node_type, 0))
+        try:
+            actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True,
+                                 num_gpus=self.gpus.get(instance.node_type, 0))
+        except ValueError:  # the name is taken: a supervisor before us placed it, then died
+            adopted = self._adopt_placed(instance)
+            if adopted is not None:
+                return adopted
+            actor = spawn_worker(instance.id, {instance_resource(instance.id): 1.0}, detached=True,
+                                 num_gpus=self.gpus.get(instance.node_type, 0))
         try:
             if self.certifier is not None:
                 started = time.monotonic()
@@ -226,6 +244,24 @@ class RayWorkers:
         self._worker_node[instance.id] = info["node_id"]
         logger.info("worker of %s runs on node %s as %s", instance.id, info["node_id"][:12], info["address"])
         return info["peer_id"]
+
+    def _adopt_placed(self, instance: Instance) -> str | None:
+        """The worker a dead supervisor was placing on ``instance``: its peer id once its start is
+        done (a status call waits behind it), or None after removing one that never started."""
+        actor = ray.get_actor(worker_actor_name(instance.id))
+        try:
+            status = ray.get(actor.status.remote(), timeout=self.boot_timeout)
+        except Exception:  # noqa: BLE001 - died or hung while starting: start afresh
+            status = {}
+        if not status.get("peer_id"):
+            ray.kill(actor)
+            return None
+        self._handles[instance.id] = actor
+        self._worker_node[instance.id] = status["node_id"]
+        if self.certifier is not None:
+            self.certifier.know(instance.id, status["peer_id"])
+        logger.info("worker of %s was placed by the previous supervisor; adopted", instance.id)
+        return status["peer_id"]
 
     def certify(self, instance_id: str, peer_id: str) -> str | None:
         """The membership token for the worker of ``instance_id`` (None: membership is off)."""
@@ -296,7 +332,6 @@ class RayWorkers:
         ``check_every_s``; a worker that does not answer (paused, busy) is not dead.  Never waits."""
         now = time.monotonic()
         self._next_alive_check = {i: t for i, t in self._next_alive_check.items() if i in instance_ids}
-        self._worker_node = {i: n for i, n in self._worker_node.items() if i in instance_ids}
         for instance_id in instance_ids:
             if instance_id in self._alive_checks or self._next_alive_check.get(instance_id, 0.0) > now:
                 continue
@@ -322,9 +357,10 @@ class RayWorkers:
             return []
         # a worker that died with its whole machine is the provider's to report (preempted or died)
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return [i for i in dead if self._worker_node.get(i) in alive_nodes]
+        return [i for i in dead if self._worker_node.pop(i, None) in alive_nodes]
 
     def stop(self, instance: Instance) -> None:
+        self._worker_node.pop(instance.id, None)
         try:
             actor = self._handles.pop(instance.id, None) or ray.get_actor(worker_actor_name(instance.id))
         except ValueError:
@@ -336,12 +372,13 @@ class RayWorkers:
         finally:
             ray.kill(actor)
 
-    def running(self, instance: Instance) -> dict | None:
+    def running(self, instance: Instance, timeout: float = 30.0) -> dict | None:
         try:
-            status = ray.get(self._actor(instance).status.remote(), timeout=30)
+            status = ray.get(self._actor(instance).status.remote(), timeout=timeout)
         except Exception:
             self._handles.pop(instance.id, None)
             return None
+        self._worker_node[instance.id] = status["node_id"]  # an adopted worker found dead later is told apart
         if status["peer_id"] and self.certifier is not None:
             self.certifier.know(instance.id, status["peer_id"])  # an adopted worker: renewed on the next tick
         return status if status["peer_id"] else None

@@ -5,7 +5,9 @@ run, or resume it after losing every machine, is here."""
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,11 @@ from typing import Any
 import yaml
 
 from .config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+# what SQLite says when the disk (or the run directory's filesystem) has no room for a write
+_NO_ROOM = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
@@ -75,6 +82,8 @@ class RunStore:
         self.db.execute("PRAGMA journal_mode=WAL")  # readers (status, dashboard) never block the writer
         self.db.executescript(SCHEMA)
         self.db.commit()
+        self._pending: list[tuple[str, tuple]] = []  # writes the disk had no room for yet, in order
+        self._write_lock = threading.Lock()
 
     @classmethod
     def create(cls, config: ClusterConfig, base: Path | None = None) -> RunStore:
@@ -97,48 +106,77 @@ class RunStore:
         return ClusterConfig.model_validate(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
 
     def close(self) -> None:
+        if self._pending and not self._flush():
+            logger.warning("run store %s: %d writes still had no room on disk when it closed; they are lost",
+                           self.dir, len(self._pending))
         self.db.close()
 
     # ---- writing -------------------------------------------------------------------------------
+    @property
+    def pending_writes(self) -> int:
+        """Writes held in memory until the disk has room again (0 normally)."""
+        return len(self._pending)
+
+    def _write(self, sql: str, args: tuple) -> None:
+        """Every write goes through here: a full disk holds writes back, in order, instead of losing
+        them or failing the caller (the supervisor's tick must go on); the next write retries them."""
+        with self._write_lock:
+            self._pending.append((sql, args))
+            self._flush()
+
+    def _flush(self) -> bool:
+        """Write what is held back, in one transaction; False while the disk still has no room."""
+        try:
+            with self.db:  # commits, or rolls back on error: all held writes land, or none
+                for sql, args in self._pending:
+                    self.db.execute(sql, args)
+        except sqlite3.OperationalError as e:
+            if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in _NO_ROOM:  # the primary code
+                self._pending.pop()  # a bad statement is the caller's error, not the disk's
+                raise
+            if len(self._pending) == 1:  # said once per outage, not once per write
+                logger.warning("run store %s: no room on disk (%s); holding writes in memory until there is",
+                               self.dir, e)
+            return False
+        if len(self._pending) > 1:
+            logger.warning("run store %s: disk has room again; wrote the %d writes held meanwhile",
+                           self.dir, len(self._pending))
+        self._pending.clear()
+        return True
+
     def event(self, kind: str, instance_id: str | None = None, detail: Any = None, at: float | None = None) -> None:
         text = detail if isinstance(detail, str) or detail is None else json.dumps(detail)
-        self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (at or self.clock(), kind, instance_id, text))
-        self.db.commit()
+        self._write("INSERT INTO events VALUES (?, ?, ?, ?)", (at or self.clock(), kind, instance_id, text))
 
     def launched(self, rec: InstanceRecord) -> None:
-        self.db.execute("INSERT INTO instances VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (rec.id, rec.node_type, rec.zone, rec.market, rec.price_per_hour,
-                         rec.on_demand_price_per_hour, rec.launched_at, None, None, None, rec.peer_id))
-        self.db.commit()
+        self._write("INSERT INTO instances VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (rec.id, rec.node_type, rec.zone, rec.market, rec.price_per_hour,
+                     rec.on_demand_price_per_hour, rec.launched_at, None, None, None, rec.peer_id))
         self.event("launch", rec.id, {"zone": rec.zone, "node_type": rec.node_type, "market": rec.market,
                                       "price_per_hour": rec.price_per_hour}, at=rec.launched_at)
 
     def update_instance(self, instance_id: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
-        self.db.execute(f"UPDATE instances SET {sets} WHERE id = ?", (*fields.values(), instance_id))
-        self.db.commit()
+        self._write(f"UPDATE instances SET {sets} WHERE id = ?", (*fields.values(), instance_id))
 
     def progress(self, epoch: int, loss: float | None, samples_per_second: float, peers: int, samples: int) -> None:
-        self.db.execute("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
-                        (self.clock(), epoch, loss, samples_per_second, peers, samples))
-        self.db.commit()
+        self._write("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
+                    (self.clock(), epoch, loss, samples_per_second, peers, samples))
 
     def expert_sample(self, live: int, grid: int, min_replicas: int, mean_replicas: float,
                       requests_per_second: float | None, rows_per_batch: float | None, calls: int,
                       kmin_fraction: float | None) -> None:
         """One sample of a mixture-of-experts run's experts: how many of the grid are live, their
         replicas, the servers' load, and the fraction of the trainers' forward passes that met k_min."""
-        self.db.execute("INSERT INTO experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (self.clock(), live, grid, min_replicas, mean_replicas, requests_per_second,
-                         rows_per_batch, calls, kmin_fraction))
-        self.db.commit()
+        self._write("INSERT INTO experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (self.clock(), live, grid, min_replicas, mean_replicas, requests_per_second,
+                     rows_per_batch, calls, kmin_fraction))
 
     def expert_rows(self) -> list[tuple]:
         return self.db.execute("SELECT * FROM experts ORDER BY time").fetchall()
 
     def checkpoint(self, epoch: int, path: Path) -> None:
-        self.db.execute("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))
-        self.db.commit()
+        self._write("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))
 
     # ---- reading -------------------------------------------------------------------------------
     def instances(self) -> list[InstanceRecord]:

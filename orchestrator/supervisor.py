@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -155,7 +156,9 @@ class SupervisorCore:
 
     def _rejoin(self, instances: list[Instance]) -> None:
         """Meet the adopted workers in the DHT (a new bootstrap peer starts knowing nobody)."""
-        addresses = [r["address"] for i in instances if (r := self.policy.workers.running(i)) and r.get("address")]
+        # a worker that does not answer at once (paused, busy) is met through the others' routing tables
+        addresses = [r["address"] for i in instances
+                     if (r := self.policy.workers.running(i, timeout=5.0)) and r.get("address")]
         if not addresses:
             return
         try:
@@ -304,7 +307,7 @@ class SupervisorCore:
             return
         current = [p for p in peers.values() if p.epoch == epoch]
         losses = [p.loss for p in peers.values() if p.loss is not None]
-        fresh = sum(time.time() - p.time <= self.tracker.fresh_for for p in peers.values())  # not the dead's
+        fresh = sum(self.tracker.now() - p.time <= self.tracker.fresh_for for p in peers.values())  # not the dead's
         self.epoch = epoch
         self.store.progress(epoch, sum(losses) / len(losses) if losses else None,
                             sum(p.samples_per_second for p in current), max(fresh, 1),
@@ -344,8 +347,12 @@ class SupervisorCore:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"epoch-{epoch:06d}.pt"
         tmp = path.with_suffix(".tmp")
-        torch.save({"epoch": epoch, "state": state}, tmp)
-        tmp.replace(path)  # atomic: a crash never leaves a half-written checkpoint behind
+        try:
+            torch.save({"epoch": epoch, "state": state}, tmp)
+            tmp.replace(path)  # atomic: a crash never leaves a half-written checkpoint behind
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk's partial file would keep it full
+            raise
         return epoch, state, path
 
     def _record_checkpoint(self, job: Future) -> None:
@@ -422,6 +429,8 @@ class SupervisorCore:
             "address": self.address, "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
             "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
             "experts": self.experts.summary() if self.experts is not None else None,
+            "phase": "checkpoint write" if self._checkpointing is not None and not self._checkpointing.done()
+            else "idle", "pending_writes": self.store.pending_writes,
         }
 
 
@@ -480,6 +489,9 @@ class Supervisor:
 
     def dashboard(self) -> str | None:
         return self.dashboard_url
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stop(self) -> None:
         self.core.stop()

@@ -35,20 +35,22 @@ from .local import SimulatedMarket, _Schedule
 
 logger = logging.getLogger(__name__)
 
-_WRAPPER = 'echo $$ > "$1"; exec bash "$2"'  # the group leader records its pid, then becomes the boot script
+# the group leader records its pid, then becomes the boot script (never unrecorded: it could not be found)
+_WRAPPER = 'echo $$ > "$1" && exec bash "$2"'
 
 
-def boot_detached(script: str, state_dir: Path, name: str, env: dict[str, str], namespace: str | None = None) -> int:
+def boot_detached(script: str, state_dir: Path, name: str, env: dict[str, str], namespace: str | None = None,
+                  log_path: Path | None = None) -> int:
     """Run a boot script as a machine would: a session of its own whose parent is not us (``setsid
     -f``), optionally in a network namespace; returns the session leader's pid.  Its output goes
-    to ``<state_dir>/<name>.log``."""
+    to ``log_path`` (default ``<state_dir>/<name>.log``)."""
     script_path = state_dir / f"{name}.sh"
     script_path.write_text(script)
     pid_file = state_dir / f"{name}.pid"
     pid_file.unlink(missing_ok=True)
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
     command = ["setsid", "-f", *prefix, "bash", "-c", _WRAPPER, "boot", str(pid_file), str(script_path)]
-    with open(state_dir / f"{name}.log", "ab") as log:
+    with open(log_path or state_dir / f"{name}.log", "ab") as log:
         subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True, timeout=30, env=env)
     return _read_pid(pid_file)
 
@@ -77,6 +79,17 @@ def _node_pids(leader: int) -> list[int]:
         except OSError:  # gone meanwhile, or not ours to ask
             continue
     return pids
+
+
+def worker_pids(leader: int, marker: str = "WorkerActor") -> list[int]:
+    """The processes of a node whose command line names ``marker`` (Ray titles an actor's process
+    ``ray::WorkerActor``...): what a fault injector kills or pauses without the rest of the machine."""
+    found = []
+    for pid in _node_pids(leader):
+        with suppress(psutil.Error):
+            if marker in " ".join(psutil.Process(pid).cmdline()):
+                found.append(pid)
+    return found
 
 
 def node_alive(leader: int) -> bool:
@@ -111,14 +124,22 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
             raise
 
     def _boot(self, spec: LaunchSpec, namespace: str | None) -> Instance:
+        # the machine's console output is on its own disk (a full run directory does not stop it)
+        temp = self._temp_dir(spec.instance_id)
+        temp.mkdir(parents=True, exist_ok=True)
         leader = boot_detached(spec.boot_script, self.state_dir, spec.instance_id, self._boot_env(spec.instance_id),
-                               namespace)
+                               namespace, log_path=temp / "boot.log")
         now = self.clock()
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
                         self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags), handle=leader)
         self.schedule(spec, now)
         self.instances[inst.id] = inst
-        self._save(inst, namespace)
+        try:
+            self._save(inst, namespace)
+        except BaseException:  # unrecorded, nobody could find it again: the launch fails without a machine
+            kill_node(leader, signal.SIGKILL)
+            self.instances.pop(inst.id, None)
+            raise
         logger.info("instance %s: Ray node starting as session %d%s", inst.id, leader,
                     f" in network namespace {namespace}" if namespace else "")
         return inst
@@ -177,7 +198,20 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         self.instances.pop(instance_id, None)
         self._release_namespace(instance_id)
         self._record_path(instance_id).unlink(missing_ok=True)
+        self._keep_worker_logs(instance_id)
         shutil.rmtree(self._temp_dir(instance_id), ignore_errors=True)  # the machine's disk goes with it
+
+    def _keep_worker_logs(self, instance_id: str) -> None:
+        """What the node's Python processes wrote to stderr (the worker's log), kept in the run's
+        ``nodes/<id>-logs/`` where ``spotswarm check`` reads logs; Ray's own logs go with the machine."""
+        with suppress(OSError):
+            shutil.copyfile(self._temp_dir(instance_id) / "boot.log", self.state_dir / f"{instance_id}.log")
+        for log in self._temp_dir(instance_id).glob("session_*/logs/worker-*.err"):
+            with suppress(OSError):  # best effort: a full disk keeps only what fits
+                if log.stat().st_size:
+                    kept = self.state_dir / f"{instance_id}-logs"
+                    kept.mkdir(exist_ok=True)
+                    shutil.copyfile(log, kept / f"{log.stem}.log")
 
     def list(self, tag_filters: dict[str, str]) -> list[Instance]:
         """Every live instance on record with these tags, including those a previous supervisor

@@ -1,9 +1,14 @@
 """A run store filled by hand with a known history (no Ray): two node types in two zones, a
 preemption and its replacement, an instance that died, an on-demand fallback, a crash of the
-whole run and a resume.  The expected dollars below are worked out by hand from it."""
+whole run and a resume.  The expected dollars below are worked out by hand from it.
+
+Also what the browser tests share: headless Chromium, opening a page in it, saving screenshots."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,3 +93,53 @@ class HandRun:
 @pytest.fixture
 def hand_run(tmp_path: Path) -> HandRun:
     return HandRun(fill_run(tmp_path / "runs"))
+
+
+# ---- the browser tests -------------------------------------------------------------------------
+CHROMIUM = Path("/usr/bin/chromium")
+PAGE_LOAD_MS = 30_000
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    """Headless Chromium, one for a test module.  A module whose other module fixtures must be set
+    up first (a live run) overrides it with ``browser(that_fixture, browser)``: pytest sets up the
+    arguments in that order, and tears them down the other way round."""
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it, or run "
+                    "`apt-get install -y --no-install-recommends chromium`")
+    with playwright_api.sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        yield instance
+        instance.close()
+
+
+@pytest.fixture
+def open_page(browser) -> Callable[[str], tuple]:
+    """``open_page(url)``: the page at ``url`` once it has shown what its API answered (its first
+    refresh), and the list its console errors and uncaught exceptions go to; the caller closes it."""
+    def open_(url: str) -> tuple:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors: list[str] = []
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(url)
+        page.wait_for_function("() => Number(document.body.dataset.refreshes || 0) >= 1", timeout=PAGE_LOAD_MS)
+        return page, errors
+    return open_
+
+
+@pytest.fixture
+def save_screenshot(tmp_path: Path) -> Callable[..., Path]:
+    """``save_screenshot(page, name)``: the whole page as a PNG under the test's tmp_path, copied to
+    ``$SPOTSWARM_ARTIFACTS`` too when that is set."""
+    def save(page, name: str) -> Path:
+        path = tmp_path / name
+        page.screenshot(path=str(path), full_page=True)
+        if os.environ.get("SPOTSWARM_ARTIFACTS"):
+            target = Path(os.environ["SPOTSWARM_ARTIFACTS"])
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, target / name)
+        return path
+    return save

@@ -4,15 +4,13 @@ supervisor, then from the finished run's store as ``spotswarm dashboard RUN`` do
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
-playwright_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
 
 from orchestrator.config import ClusterConfig  # noqa: E402
@@ -22,7 +20,6 @@ from orchestrator.supervisor import SupervisorCore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-CHROMIUM = Path("/usr/bin/chromium")
 CHARTS = 7
 
 
@@ -77,23 +74,9 @@ def live_run(ray_session, tmp_path_factory, wait_for) -> Iterator[tuple[Supervis
 
 
 @pytest.fixture(scope="module")
-def browser(live_run) -> Iterator:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it, or run "
-                    "`apt-get install -y --no-install-recommends chromium`")
-    with playwright_api.sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
-        yield instance
-        instance.close()
-
-
-def open_dashboard(browser, url: str) -> tuple:
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors: list[str] = []
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(url)
-    return page, errors
+def browser(live_run, browser):
+    """Chromium (conftest) started once the run is up, and closed before it is stopped."""
+    return browser
 
 
 def chart_points(page) -> dict[str, int]:
@@ -103,16 +86,6 @@ def chart_points(page) -> dict[str, int]:
 
 def table_ids(page) -> list[str]:
     return page.eval_on_selector_all("#instances tbody tr", "rows => rows.map(r => r.cells[0].textContent)")
-
-
-def save_screenshot(page, tmp_path: Path, name: str) -> Path:
-    path = tmp_path / name
-    page.screenshot(path=str(path), full_page=True)
-    if os.environ.get("SPOTSWARM_ARTIFACTS"):
-        target = Path(os.environ["SPOTSWARM_ARTIFACTS"])
-        target.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, target / name)
-    return path
 
 
 def card(page, label: str) -> str:
@@ -125,9 +98,9 @@ def refreshes(page) -> int:
     return int(page.evaluate("() => document.body.dataset.refreshes || 0"))
 
 
-def test_live_page_in_chromium(live_run, browser, tmp_path, wait_for):
+def test_live_page_in_chromium(live_run, open_page, save_screenshot, wait_for):
     core, url, _ = live_run
-    page, errors = open_dashboard(browser, url)
+    page, errors = open_page(url)
     try:
         wait_for(lambda: refreshes(page) >= 2, 30, "the page to refresh itself")
         assert page.text_content("#state") == "live"
@@ -137,22 +110,21 @@ def test_live_page_in_chromium(live_run, browser, tmp_path, wait_for):
         ids = lambda: sorted(r[0] for r in store_rows(core.store.dir, "SELECT id FROM instances"))  # noqa: E731
         wait_for(lambda: sorted(table_ids(page)) == ids(), 30, "the table to list every instance")
         assert "preempted" in page.text_content("#instances")
-        shot = save_screenshot(page, tmp_path, "dashboard-live.png")
+        shot = save_screenshot(page, "dashboard-live.png")
         assert shot.stat().st_size > 20_000
     finally:
         page.close()
     assert not errors, errors
 
 
-def test_finished_run_page_in_chromium(live_run, browser, tmp_path, wait_for):
+def test_finished_run_page_in_chromium(live_run, open_page, save_screenshot):
     core, _, stop = live_run
     stop()
     run_dir = core.store.dir
     every_instance = [r[0] for r in store_rows(run_dir, "SELECT id FROM instances ORDER BY launched_at")]
     with DashboardServer(run_dir) as server:  # what `spotswarm dashboard RUN` serves
-        page, errors = open_dashboard(browser, server.url)
+        page, errors = open_page(server.url)  # once it has loaded its figures
         try:
-            wait_for(lambda: refreshes(page) >= 1, 30, "the page to load its figures")
             assert page.text_content("#state") == "finished"
             points = chart_points(page)
             assert len(points) == CHARTS and all(n > 0 for n in points.values()), points
@@ -163,7 +135,7 @@ def test_finished_run_page_in_chromium(live_run, browser, tmp_path, wait_for):
             ended = page.eval_on_selector_all("#instances tbody tr", "rows => rows.map(r => r.cells[8].textContent)")
             assert "preempted" in ended and "running" not in ended  # every instance released at the stop
             assert page.evaluate("() => document.body.dataset.polling") == "off"  # nothing left to refresh
-            save_screenshot(page, tmp_path, "dashboard-finished.png")
+            save_screenshot(page, "dashboard-finished.png")
         finally:
             page.close()
     assert not errors, errors

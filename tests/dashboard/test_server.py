@@ -83,6 +83,10 @@ def test_json_api_page_and_offline_plotly(hand_run):
         costs = json.loads(get(server.url + "api/costs")[1])
         page_type, page = get(server.url)
         js_type, js = get(server.url + "static/plotly.min.js")
+        common_type, common = get(server.url + "static/common.js")
+        css_type, css = get(server.url + "static/common.css")
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            get(server.url + "static/dashboard.html")  # only the assets are served from static/
     assert [i["id"] for i in instances] == ["i0", "i1", "i2", "i4", "i3", "i5", "i6"]  # by launch time
     assert {i["id"]: i["ended"] for i in instances}["i0"] == "preempted"
     assert {i["id"]: i["lifetime_s"] for i in instances}["i3"] == pytest.approx(1700)
@@ -93,6 +97,9 @@ def test_json_api_page_and_offline_plotly(hand_run):
     assert sum(c["dollars"] for c in costs) == pytest.approx(hand_run.dollars)
     assert page_type.startswith("text/html") and b'src="static/plotly.min.js"' in page
     assert js_type.startswith("application/javascript") and len(js) > 1_000_000  # shipped inside plotly
+    assert b'src="static/common.js"' in page  # the script the dashboard and the chaos page share
+    assert common_type.startswith("application/javascript") and b"function renderCharts(" in common
+    assert b'href="static/common.css"' in page and css_type.startswith("text/css") and b".card" in css
 
 
 def test_a_live_run_reads_the_clock_it_is_given(hand_run):

@@ -4,6 +4,7 @@ only, and the run's pid file never leads to another process that got the same pi
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from orchestrator import figures, run_pid
+from orchestrator import chaos_disk, figures, run_pid
 from orchestrator.supervisor import read_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,3 +94,39 @@ def test_down_never_signals_a_process_that_got_the_runs_pid(tmp_path, capsys):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+@pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
+def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tmp_path):
+    from orchestrator.config import ClusterConfig
+    from orchestrator.run_store import InstanceRecord, RunStore
+
+    config = ClusterConfig.model_validate({"cluster_name": "full", "runs_dir": str(tmp_path / "runs"),
+                                           "available_node_types": {"small": {"min_workers": 1,
+                                                                              "max_workers": 1}}})
+    run_dir = config.run_dir()
+    with chaos_disk.small_disk(run_dir, 8):
+        store = RunStore.create(config)
+        store.event("before")
+        assert chaos_disk.fill(run_dir) > 0
+        # the writes a supervisor's tick makes while the disk is full: none raises, none is lost
+        store.launched(InstanceRecord("i-1", "small", "a", "spot", 0.1, 1.0, 100.0))
+        for epoch in range(1, 200):
+            store.progress(epoch, 1.0 / epoch, 10.0, 1, epoch * 64)
+        store.update_instance("i-1", ended_at=200.0, end_reason="preempted")
+        assert store.pending_writes > 0, "the disk was not full"
+        chaos_disk.unfill(run_dir)
+        store.event("after")  # the next write lands the held ones first
+        assert store.pending_writes == 0
+        store.close()
+    store = RunStore.open(run_dir)  # back on the real disk, as it was written
+    try:
+        kinds = [k for (k,) in store.db.execute("SELECT kind FROM events ORDER BY rowid")]
+        assert kinds == ["before", "launch", "after"]
+        assert [row[1] for row in store.progress_rows()] == list(range(1, 200))
+        (instance,) = store.instances()
+        assert (instance.ended_at, instance.end_reason) == (200.0, "preempted")
+    finally:
+        store.close()
+    with pytest.raises(sqlite3.OperationalError):  # a bad statement is still the caller's error
+        RunStore.open(run_dir).update_instance("i-1", no_such_column=1)

@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.providers.local_nodes import worker_pids  # noqa: E402
 from orchestrator.ray_workers import worker_actor_name  # noqa: E402
 from orchestrator.run_store import RunStore  # noqa: E402
 from orchestrator.supervisor import SupervisorCore  # noqa: E402
@@ -52,15 +53,7 @@ def worker_status(instance_id: str) -> dict:
 
 def worker_pid(run_dir: Path, instance_id: str) -> int:
     """The pid of the worker actor's process on an instance's node (its session holds the raylet too)."""
-    leader = int((run_dir / "nodes" / f"{instance_id}.pid").read_text())
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if os.getsid(proc.pid) == leader and "WorkerActor" in " ".join(proc.info["cmdline"] or ()):
-                found.append(proc.pid)
-        except OSError:  # gone meanwhile
-            continue
-    (pid,) = found
+    (pid,) = worker_pids(int((run_dir / "nodes" / f"{instance_id}.pid").read_text()))
     return pid
 
 

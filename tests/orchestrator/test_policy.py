@@ -591,14 +591,15 @@ def test_adoption_releases_strays_and_closes_lost_instances(make_rig: Callable[.
 
 # ---- no Ray -----------------------------------------------------------------------------------------
 def test_instances_dying_while_booting_are_relaunched_with_backoff(make_rig: Callable[..., Rig]) -> None:
-    """A broken boot must not buy machines as fast as they fail: relaunches wait 30 s, then 60 s,
-    and a worker that starts resets the wait."""
+    """A broken boot must not buy machines as fast as they fail: one death while booting is relaunched
+    at once (a machine reclaimed mid-boot), the next relaunches wait 30 s, then 60 s, and a worker
+    that starts resets the wait."""
     rig = make_rig(max_workers=1)
     rig.workers.refuse = True
     settle(rig.policy)
-    assert len(rig.provider.specs) == 1 and list(end_reasons(rig).values()) == ["died"]
+    assert len(rig.provider.specs) == 2 and list(end_reasons(rig).values()) == ["died", "died"]
     assert "died while booting" in rig.policy.status_text
-    assert rig.provider.terminated == ids(rig)  # the broken machine is released, not left billing
+    assert rig.provider.terminated == ids(rig)  # the broken machines are released, not left billing
     for wait in (30.0, 60.0):
         launches = len(rig.provider.specs)
         rig.clock.advance(wait - 1)
@@ -612,7 +613,7 @@ def test_instances_dying_while_booting_are_relaunched_with_backoff(make_rig: Cal
     settle(rig.policy)
     assert len(rig.policy.live) == 1 and rig.policy.status_text == "running"
     kill(rig, list(rig.policy.live))  # an ordinary death after a good boot: replaced at once
-    assert len(rig.policy.live) == 1 and len(rig.provider.specs) == 5
+    assert len(rig.policy.live) == 1 and len(rig.provider.specs) == 6
 
 
 def test_a_machine_whose_worker_died_is_released_and_replaced(make_rig: Callable[..., Rig]) -> None:

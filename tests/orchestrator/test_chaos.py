@@ -1,0 +1,78 @@
+"""A quick chaos run: the local nodes mode (every instance its own Ray node) under every fault kind the
+injector has, with a fixed seed, and every invariant asserted from its report and its run directory.
+The 20-minute soak with a fault every ~15 s is ``benchmarks/bench_chaos.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from orchestrator import chaos_disk  # noqa: E402
+from orchestrator.chaos import REPORT, ChaosRun, ChaosSettings, plan  # noqa: E402
+from orchestrator.chaos_faults import FAULT_KINDS  # noqa: E402
+from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.invariants import check_leaks  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+SETTINGS = ChaosSettings(duration_s=48.0, seed=11, every_s=5.5, calm_s=8.0, stall_bound_s=30.0, check_every_s=2.0,
+                         disk_mb=64)
+
+
+def chaos_config(tmp_path: Path) -> ClusterConfig:
+    return ClusterConfig.model_validate({
+        "cluster_name": "chaos", "runs_dir": str(tmp_path / "runs"),
+        "provider": {"type": "local", "mode": "nodes", "zones": ["a"], "time_scale": 1.0,
+                     "provisioning_delay_s": 0.0},
+        "available_node_types": {"small": {"min_workers": 3, "max_workers": 3, "resources": {"CPU": 1},
+                                           "on_demand_price_per_hour": 1.0,
+                                           "preemption": {"distribution": "none"}}},
+        "training": {"task": "synthetic", "target_batch_size": 64, "min_matchmaking_time_s": 0.5,
+                     "averaging_timeout_s": 5.0, "param_digests": True},
+        "checkpoint": {"every_s": 4.0},
+        "dashboard": {"enabled": False},
+    })
+
+
+def test_the_plan_holds_every_kind_and_is_the_seeds():
+    drawn = plan(SETTINGS)
+    assert {kind for _, kind in drawn} == set(FAULT_KINDS)
+    assert drawn == plan(SETTINGS)  # the seed decides
+    assert all(0 < t < SETTINGS.duration_s - SETTINGS.calm_s for t, _ in drawn)
+
+
+def test_a_quick_chaos_run_survives_every_fault_kind_and_keeps_every_invariant(tmp_path):
+    config = chaos_config(tmp_path)
+    report = ChaosRun(config, SETTINGS).run()
+    run_dir = config.run_dir()
+
+    expected = set(FAULT_KINDS) - ({"disk_full"} if chaos_disk.unavailable() else set())
+    injected = {f.kind for f in report.faults if f.outcome == "injected"}
+    skipped = [f"{f.kind}: {f.outcome}" for f in report.faults if f.outcome != "injected"]
+    assert injected == expected, f"not every fault kind was injected; skipped: {skipped}"
+    assert report.violations == []
+    summary = report.summary
+    assert (summary["invariant_violations"], summary["error_tracebacks"]) == (0, 0)
+    assert summary["max_stall_s"] <= SETTINGS.stall_bound_s
+    assert json.loads((run_dir / REPORT).read_text())["summary"] == summary  # the report on disk is this one
+
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    try:
+        died = db.execute("SELECT COUNT(*) FROM instances WHERE end_reason = 'died'").fetchone()[0]
+        starts = db.execute("SELECT COUNT(*) FROM events WHERE kind = 'supervisor_start'").fetchone()[0]
+        open_ = db.execute("SELECT COUNT(*) FROM instances WHERE ended_at IS NULL").fetchone()[0]
+        last_fault = max(f.time for f in report.faults if f.outcome == "injected")
+        after = db.execute("SELECT MAX(epoch) - MIN(epoch) FROM progress WHERE time > ?", (last_fault,)).fetchone()[0]
+    finally:
+        db.close()
+    assert died >= 2  # the killed worker's and the killed node's instances, each released and replaced
+    assert starts == 2  # the first supervisor and the one resumed after its SIGKILL
+    assert open_ == 0  # the stop released every instance
+    assert after and after > 0, "training went on after the last fault"
+    assert check_leaks(str(run_dir.resolve()), exclude=[os.getpid()]) == []
