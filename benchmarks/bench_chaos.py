@@ -131,7 +131,7 @@ def main() -> None:
     rows = [[kind, *(sum(f["kind"] == kind and f["phase"] == p for f in faults) for p in PHASES),
              sum(f["kind"] == kind for f in chaos["faults"]) - sum(f["kind"] == kind for f in faults)]
             for kind in KINDS]
-    print_table(["<18"] + [">12"] * (len(PHASES) + 1), ["kind", *PHASES, "skipped"], rows, rule=True)
+    print_table(["<18"] + [">17"] * (len(PHASES) + 1), ["kind", *PHASES, "skipped"], rows, rule=True)
     for f in chaos["faults"]:
         if f.get("outcome") != "injected":
             print(f"  {f['kind']}: {f['outcome']}")

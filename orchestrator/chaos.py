@@ -66,6 +66,7 @@ class ChaosSettings:
     check_every_s: float = 5.0
     calm_s: float | None = None  # no new fault this long before the end (default: max(every_s, 10))
     disk_mb: int = 256
+    aim_s: float = 10.0  # how long a fault may wait for its target to be in the phase drawn for it (0: never)
     boot_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
@@ -278,20 +279,45 @@ class ChaosRun:
                     fault.outcome)
         self.report.faults.append(fault)
 
+    def _aim(self, phases: tuple[str, ...]) -> str | None:
+        """The phase this fault waits for (``aim_s`` at most), drawn from the seed; None: no aiming.
+        Left to chance, faults land where a peer spends its time (idle, matchmaking)."""
+        return self.rng.choice(phases) if self.settings.aim_s > 0 else None
+
     def _victim(self, fault: Fault) -> Node:
-        """A live worker no lasting fault holds, answering: its phase is where the fault lands."""
-        nodes = [n for n in chaos_faults.live_nodes(self.run_dir) if n.instance_id not in self._busy]
-        self.rng.shuffle(nodes)
-        for node in nodes:
-            status = chaos_faults.worker_status(node.instance_id)
-            if status is not None and not status.get("left") and status.get("peer_id"):
-                fault.target, fault.phase = node.instance_id, status.get("phase", "idle")
-                return node
-        raise FaultSkipped("no live worker to act on")
+        """A live worker no lasting fault holds, answering: its phase is where the fault lands.  An
+        aimed fault waits (bounded) for a worker in the phase it aims at, else takes any."""
+        want = self._aim(chaos_faults.WORKER_PHASES)
+        deadline = time.monotonic() + self.settings.aim_s
+        while True:
+            nodes = [n for n in chaos_faults.live_nodes(self.run_dir) if n.instance_id not in self._busy]
+            self.rng.shuffle(nodes)
+            found = None
+            for node in nodes:
+                status = chaos_faults.worker_status(node.instance_id)
+                if status is not None and not status.get("left") and status.get("peer_id"):
+                    found = found or (node, status)
+                    if want is None or status.get("phase") == want:
+                        found = (node, status)
+                        break
+            hit = found is not None and (want is None or found[1].get("phase") == want)
+            if hit or time.monotonic() >= deadline or self.stop_event.wait(0.05):
+                break
+        if found is None:
+            raise FaultSkipped("no live worker to act on")
+        node, status = found
+        fault.target, fault.phase = node.instance_id, status.get("phase", "idle")
+        return node
 
     def _supervisor_phase(self, fault: Fault) -> None:
-        status = self._supervisor_status()
-        fault.target, fault.phase = "supervisor", (status or {}).get("phase", "idle")
+        want = self._aim(chaos_faults.RUN_PHASES)
+        deadline = time.monotonic() + self.settings.aim_s
+        while True:
+            status = self._supervisor_status() or {}
+            if want is None or status.get("phase") == want or time.monotonic() >= deadline \
+                    or self.stop_event.wait(0.05):
+                break
+        fault.target, fault.phase = "supervisor", status.get("phase", "idle")
 
     def _worker_kill(self, fault: Fault) -> None:
         fault.detail = chaos_faults.kill_worker(self._victim(fault))
@@ -493,9 +519,11 @@ def print_report(report: ChaosReport, console: Any) -> None:
     table = Table(title=f"chaos run {report.cluster} (seed {report.seed}): faults by kind and phase")
     phases = chaos_faults.PHASES
     table.add_column("kind", no_wrap=True)
+    narrow = {"matchmaking": "match-\nmaking", "all-reduce": "all-\nreduce", "state download": "state\ndownload",
+              "checkpoint write": "check-\npoint\nwrite"}  # fits an 80-column terminal
     for phase in phases:
-        table.add_column(phase.replace(" ", "\n"), justify="right")
-    table.add_column("skipped", justify="right")
+        table.add_column(narrow.get(phase, phase), justify="right")
+    table.add_column("skip-\nped", justify="right")
     for kind in FAULT_KINDS:
         hits = [f for f in report.faults if f.kind == kind]
         table.add_row(kind, *(str(sum(f.phase == p and f.outcome == "injected" for f in hits)) for p in phases),

@@ -161,6 +161,7 @@ def _chaos(args: argparse.Namespace) -> int:
         kinds = () if args.kinds == "none" else \
             tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
         settings = ChaosSettings(args.duration, seed=args.seed, every_s=args.every, stall_bound_s=args.stall_bound,
+                                 aim_s=args.aim,
                                  **({"kinds": kinds} if kinds is not None else {}))
         report = ChaosRun(config, settings, config_path=args.config, stop=stop).run()
     except ConfigError as e:
@@ -315,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--kinds", metavar="K1,K2", help="only these fault kinds (default all: worker_kill, node_kill, "
                                                      "supervisor_kill, worker_pause, bandwidth_drop, disk_full, "
                                                      "clock_jump; none: the same run without faults)")
+    ch.add_argument("--aim", type=float, default=10.0, metavar="S",
+                    help="a fault waits up to S seconds for its target to be in a phase drawn for it (matchmaking, "
+                         "all-reduce, state download, checkpoint write, idle); 0: faults land where they fall "
+                         "(default 10)")
     ch.set_defaults(func=_chaos)
     db = sub.add_parser("dashboard", help="serve a run's cost and throughput dashboard (live or finished)")
     db.add_argument("run", help="run directory")

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("ray")
 
 from orchestrator import chaos_disk  # noqa: E402
-from orchestrator.chaos import REPORT, ChaosRun, ChaosSettings, plan  # noqa: E402
+from orchestrator.chaos import REPORT, ChaosError, ChaosRun, ChaosSettings, plan  # noqa: E402
 from orchestrator.chaos_faults import FAULT_KINDS  # noqa: E402
 from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.invariants import check_leaks  # noqa: E402
@@ -22,7 +22,7 @@ from orchestrator.invariants import check_leaks  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 SETTINGS = ChaosSettings(duration_s=48.0, seed=11, every_s=5.5, calm_s=8.0, stall_bound_s=30.0, check_every_s=2.0,
-                         disk_mb=64)
+                         disk_mb=64, aim_s=0.0)  # faults land where they fall: the soak aims at phases
 
 
 def chaos_config(tmp_path: Path) -> ClusterConfig:
@@ -76,3 +76,27 @@ def test_a_quick_chaos_run_survives_every_fault_kind_and_keeps_every_invariant(t
     assert open_ == 0  # the stop released every instance
     assert after and after > 0, "training went on after the last fault"
     assert check_leaks(str(run_dir.resolve()), exclude=[os.getpid()]) == []
+
+
+
+def test_the_chaos_command_refuses_what_it_cannot_run_and_starts_nothing(tmp_path):
+    """A config that is not the local nodes mode in real time, or an unknown fault kind: exit 2 and one
+    line saying why, before any Ray or run directory exists."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    nodes = chaos_config(tmp_path).model_dump(mode="json", exclude_defaults=True)
+    path = tmp_path / "actors.yaml"
+    path.write_text(yaml.safe_dump({**nodes, "provider": {**nodes["provider"], "mode": "actors"}}))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "chaos", str(path), "--duration", "5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs the local provider in nodes mode" in proc.stderr
+    scaled = chaos_config(tmp_path).model_copy(update={"provider": chaos_config(tmp_path).provider.model_copy(
+        update={"time_scale": 10.0})})
+    with pytest.raises(ChaosError, match="time_scale 1"):
+        ChaosRun(scaled, SETTINGS)
+    with pytest.raises(ChaosError, match="unknown fault kind"):
+        ChaosSettings(5.0, kinds=("worker_kill", "meteor"))
+    assert not (tmp_path / "runs").exists()
