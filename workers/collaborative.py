@@ -117,8 +117,11 @@ class CollaborativeOptimizer:
         on_cpu = all(p.device.type == "cpu" for p in self.params)
         self.grad_buffers = self.host_buffers if on_cpu else [torch.zeros_like(p, dtype=torch.float32)
                                                               for p in self.params]
-        if load_state_on_start:
-            self._load_state_if_any()
+        if load_state_on_start and not self._load_state_if_any():
+            # nothing to load may mean a new run, or that the others' records have not reached us yet (a
+            # newcomer that met only a restarting supervisor): never step alone from epoch 0 before
+            # giving them one freshness period, or we would hold epochs the swarm passed long ago
+            self._alone_not_before = time.monotonic() + self.tracker.fresh_for
         self._report(force=True, wait=True)  # the others count us from the first step on
         self._advertise(wait=True)
 
