@@ -145,7 +145,10 @@ class ChaosRun:
         self._supervisor_pid: int | None = None
         self._supervisor_pids: list[int] = []
         self._busy: dict[str, str] = {}  # instance id or "disk" -> the lasting fault on it
-        self._digests: dict[int, dict[str, str]] = {}  # epoch -> instance id -> parameter digest
+        # epoch -> instance id -> (parameter digest, all-reduce group, when it completed the epoch)
+        self._digests: dict[int, dict[str, tuple[str, str, float]]] = {}
+        self._last_seen: dict[str, float] = {}  # instance id -> its newest epoch record's time
+        self._rolled_back: set[int] = set()  # epochs completed again after the whole fleet was lost
         self._checked_checkpoints: set[str] = set()
         self._step_s = 0.5  # until measured
         self._disk_why = chaos_disk.unavailable() if "disk_full" in settings.kinds else None
@@ -407,7 +410,10 @@ class ChaosRun:
                     self.report.violate(Violation("checkpoints", str(e)))
 
     def _check_equal_params(self) -> None:
-        """Peers that completed the same epoch hold the same parameters (their digests after it)."""
+        """Peers that completed the same epoch hold the same parameters (their digests after it) — peers
+        that trained at the same time.  After the whole fleet was lost, the next one continues from the
+        newest checkpoint and completes again epochs the lost fleet had completed: that is a rollback
+        (the work since the checkpoint is lost), counted apart, not a divergence."""
         for node in chaos_faults.live_nodes(self.run_dir):
             if self._busy.get(node.instance_id) == "worker_pause":
                 continue
@@ -420,12 +426,21 @@ class ChaosRun:
                 if "params" not in record:
                     continue
                 seen = self._digests.setdefault(record["epoch"], {})
-                seen[node.instance_id] = f"{record['params']} (group {record.get('group') or '-'})"
+                seen[node.instance_id] = (record["params"], record.get("group") or "-", record["time"])
+                self._last_seen[node.instance_id] = max(self._last_seen.get(node.instance_id, 0.0), record["time"])
         for epoch, by_peer in list(self._digests.items()):
-            if len({d.split()[0] for d in by_peer.values()}) > 1:
+            if len({digest for digest, _, _ in by_peer.values()}) < 2:
+                continue
+            pairs = [(a, b) for a in by_peer for b in by_peer if a < b and by_peer[a][0] != by_peer[b][0]]
+            together = [(a, b) for a, b in pairs  # each still training when the other completed the epoch
+                        if min(self._last_seen[a], self._last_seen[b]) >= max(by_peer[a][2], by_peer[b][2])]
+            detail = {i: f"{d} (group {g})" for i, (d, g, _) in by_peer.items()}
+            if together:
                 self.report.violate(Violation("equal_params", f"after epoch {epoch} peers hold different "
-                                                              f"parameters: {json.dumps(by_peer)}"))
-                self._digests[epoch] = {}  # reported once
+                                                              f"parameters: {json.dumps(detail)}"))
+            else:
+                self._rolled_back.add(epoch)
+            self._digests[epoch] = {}  # judged once
 
     def _final_checks(self, sockets_before: int) -> None:
         self._wait_released()
@@ -461,7 +476,7 @@ class ChaosRun:
             "max_stall_s": round(max_stall_s, 2), "p99_stall_s": round(_percentile(gaps, 99), 2),
             "epochs": rows[-1][1] if rows else 0, "samples": int(samples[0] or 0) if samples else 0,
             "samples_per_second": round(samples[0] / span, 2) if span > 0 and samples[0] else 0.0,
-            "retained": None,
+            "retained": None, "rolled_back_epochs": len(self._rolled_back),
             "by_kind": dict(Counter(f.kind for f in injected)), "by_phase": dict(Counter(f.phase for f in injected)),
         }
 

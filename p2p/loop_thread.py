@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -95,5 +96,19 @@ class BlockingFace:
 def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(loop)
     loop.run_forever()
+    _finish_tasks(loop)
     loop.run_until_complete(loop.shutdown_asyncgens())
     loop.close()
+
+
+def _finish_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
+    """Cancel what still runs once the loop stopped and let it unwind, as ``asyncio.run`` does: a task
+    left pending would leave its async generators mid-iteration, and closing those at the loop's end
+    fails ("aclose(): asynchronous generator is already running")."""
+    pending = asyncio.all_tasks(loop)
+    if not pending:
+        return
+    logging.getLogger(__name__).debug("cancelling %d tasks still running at the loop's end", len(pending))
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.wait(pending, timeout=timeout))

@@ -230,6 +230,9 @@ class P2P:
 
     def _start_handler(self, conn: Connection, sid: int, method: str, h: dict, size: int) -> None:
         entry = self._handlers.get(method)
+        if self._closed:  # a call that arrived while we shut down: its task would outlive our loop
+            conn._send_quiet({"s": sid, "t": ERROR, "x": "PeerUnreachable", "msg": "the peer is shutting down"})
+            return
         if entry is None:
             conn._send_quiet({"s": sid, "t": ERROR, "x": "UnknownMethod", "msg": f"no handler for {method!r}"})
             return
