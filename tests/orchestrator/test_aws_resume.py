@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ pytest.importorskip("ray")
 boto3 = pytest.importorskip("boto3")
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKPOINT_EVERY_S = 8.0
+CHECKPOINT_EVERY_S = 4.0
+FLEET = 2  # the shipped config's min_workers: losing and retiring a fleet of two proves what three would
 
 
 def rows(db: Path, sql: str, *args) -> list:
@@ -44,6 +46,7 @@ def run_config(directory: Path, endpoint: str) -> Path:
     data["provider"]["endpoint_url"] = endpoint
     data["checkpoint"]["endpoint_url"] = endpoint
     data["checkpoint"]["every_s"] = CHECKPOINT_EVERY_S  # minutes on a real cloud; seconds here
+    data["available_node_types"]["worker-spot"]["max_workers"] = FLEET
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "aws.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -64,16 +67,21 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
     old_dir, new_dir = tmp_path / "old-head", tmp_path / "new-head"
     old_config, new_config = run_config(old_dir, aws), run_config(new_dir, aws)
     old_db, new_db = old_dir / "runs" / "aws-demo" / "run.sqlite", new_dir / "runs" / "aws-demo" / "run.sqlite"
-    old_head = ray_heads("awsA")
+    # the new head machine boots while the old one runs the fleet: it holds nothing of the run until
+    # `resume` (its own Ray, its own token, an empty run directory)
+    booting = ThreadPoolExecutor(max_workers=1)
+    new_head_boot = booting.submit(ray_heads, "awsB")
+    booting.shutdown(wait=False)
     up = resume = None
     try:
+        old_head = ray_heads("awsA")
         with open(tmp_path / "up.out", "w") as out:
             up = subprocess.Popen([*cli, "up", str(old_config), "--address", old_head.address], cwd=old_dir,
                                   env=old_head.env, stdout=out, stderr=subprocess.STDOUT)
         wait_for(lambda: len(rows(old_db, "SELECT 1 FROM checkpoints")) >= 2 and epoch(old_db) >= 6, 240,
                  "the old head's run to train and checkpoint twice")
         old_fleet = tagged_running(aws)
-        assert len(old_fleet) == 3
+        assert len(old_fleet) == FLEET
 
         # the head machine and every instance's node die at once
         up.send_signal(signal.SIGKILL)
@@ -85,7 +93,7 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
             old_db, "SELECT epoch, time FROM checkpoints ORDER BY epoch DESC LIMIT 1")
         assert killed_at - checkpoint_time <= CHECKPOINT_EVERY_S + 5  # at most one interval unsaved
 
-        new_head = ray_heads("awsB")
+        new_head = new_head_boot.result(timeout=120)
         with open(tmp_path / "resume.out", "w") as out:
             resume = subprocess.Popen([*cli, "resume", str(new_config), "--address", new_head.address], cwd=new_dir,
                                       env=new_head.env, stdout=out, stderr=subprocess.STDOUT)
@@ -104,7 +112,7 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
         assert start["resumed_epoch"] >= checkpoint_epoch  # from the newest checkpoint in S3, not from zero
         assert epoch_at_kill - start["resumed_epoch"] <= epoch_at_kill - checkpoint_epoch
         retired = dict(rows(new_db, "SELECT id, end_reason FROM instances WHERE end_reason = 'orphaned'"))
-        assert len(retired) == 3  # the old fleet joined a head that is gone: released, not adopted
+        assert len(retired) == FLEET  # the old fleet joined a head that is gone: released, not adopted
         assert not set(old_fleet) & set(tagged_running(aws))
         output = (tmp_path / "resume.out").read_text()
         assert f"at checkpoint epoch {checkpoint_epoch}" in output
@@ -115,6 +123,7 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
         resume.wait(timeout=120)
         assert tagged_running(aws) == []  # every instance of the run terminated
     finally:
+        new_head_boot.exception(timeout=120)  # started, so that the fixture stops it
         for process in (up, resume):
             if process is not None and process.poll() is None:
                 process.kill()

@@ -69,11 +69,29 @@ def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
             up.kill()
     killed_at = max(r[0] for r in rows(db, "SELECT time FROM events"))
 
-    resumed = subprocess.run([*cli, "resume", "runs/r", "--duration", "40"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"from checkpoint epoch {checkpoint_epoch}" in resumed.stdout
-    after = [r[0] for r in rows(db, f"SELECT epoch FROM progress WHERE time > {killed_at} ORDER BY time")]
+    def progress_since_the_kill() -> list[int]:
+        return [r[0] for r in rows(db, f"SELECT epoch FROM progress WHERE time > {killed_at} ORDER BY time")]
+
+    def trained_on() -> bool:
+        return max(progress_since_the_kill(), default=0) > checkpoint_epoch + 2
+
+    out, err = tmp_path / "resume.out", tmp_path / "resume.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        resumed = subprocess.Popen([*cli, "resume", "runs/r", "--duration", "300"], cwd=tmp_path, env=env,
+                                   stdout=stdout, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 240
+        while resumed.poll() is None and time.monotonic() < deadline and not trained_on():
+            time.sleep(0.2)  # polling the run store for a condition, not sleeping to synchronize
+        assert resumed.poll() is None, err.read_text()[-3000:]  # still running (--duration is far off)
+        resumed.send_signal(signal.SIGINT)  # Ctrl-C: the run stops as at the end of --duration, exit 0
+        assert resumed.wait(timeout=120) == 0, err.read_text()[-3000:]
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+            resumed.wait(timeout=30)
+    assert f"from checkpoint epoch {checkpoint_epoch}" in out.read_text()
+    after = progress_since_the_kill()
     assert after, "no progress after resuming"
     assert min(after) >= checkpoint_epoch  # it continued from the checkpoint, not from scratch
     assert max(after) > checkpoint_epoch + 2  # and kept training

@@ -45,6 +45,19 @@ class WorkerSwarm:
         self.workers: list[Worker] = []
 
     def start(self, *args: str, initial: Worker | None = None, **options) -> Worker:
+        return self.start_many(1, *args, initial=initial, **options)[0]
+
+    def start_many(self, count: int, *args: str, initial: Worker | None = None, **options) -> list[Worker]:
+        """``count`` workers with the same settings, launched at once (each one's interpreter and
+        imports take seconds) and returned when every one of them listens."""
+        launched = [self._launch(*args, initial=initial, **options) for _ in range(count)]
+        for worker in launched:
+            line = worker.proc.stdout.readline()
+            assert line.startswith("worker "), f"worker did not start: {line!r}\n{worker.stderr()}"
+            worker.address = line.split()[-1]
+        return launched
+
+    def _launch(self, *args: str, initial: Worker | None = None, **options) -> Worker:
         n = len(self.workers)
         report, log = self.tmp / f"w{n}.jsonl", self.tmp / f"w{n}.log"
         cmd = [sys.executable, "-m", "orchestrator.cli", "worker", "--run", "test", "--report-file", str(report),
@@ -56,10 +69,7 @@ class WorkerSwarm:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         worker = Worker(proc, report, log)
-        line = proc.stdout.readline()
-        assert line.startswith("worker "), f"worker did not start: {line!r}\n{worker.stderr()}"
-        worker.address = line.split()[-1]
-        self.workers.append(worker)
+        self.workers.append(worker)  # before it listens: stop_all ends it whatever happens next
         return worker
 
     def wait(self, predicate, timeout: float, what: str) -> None:

@@ -18,7 +18,7 @@ def same_params(workers, epoch: int) -> bool:
 
 def test_four_peers_end_every_epoch_with_identical_parameters_and_learn(worker_swarm):
     first = worker_swarm.start(min_peers=4, max_epochs=8, **COMMON)
-    others = [worker_swarm.start(min_peers=4, max_epochs=8, initial=first, **COMMON) for _ in range(3)]
+    others = worker_swarm.start_many(3, min_peers=4, max_epochs=8, initial=first, **COMMON)
     peers = [first, *others]
     worker_swarm.finish(peers, timeout=150)
     assert all(w.proc.returncode == 0 for w in peers), [w.stderr()[-2000:] for w in peers]
@@ -31,7 +31,7 @@ def test_four_peers_end_every_epoch_with_identical_parameters_and_learn(worker_s
 
 def test_a_late_peer_loads_state_and_trains_in_step(worker_swarm):
     first = worker_swarm.start(min_peers=3, max_seconds=150, **COMMON)
-    early = [first] + [worker_swarm.start(min_peers=3, max_seconds=150, initial=first, **COMMON) for _ in range(2)]
+    early = [first, *worker_swarm.start_many(2, min_peers=3, max_seconds=150, initial=first, **COMMON)]
     worker_swarm.wait(lambda: min(w.latest_epoch() for w in early) >= 4, 90, "epoch 4 on the first peers")
     late = worker_swarm.start(max_seconds=150, initial=first, **COMMON)
     worker_swarm.wait(lambda: len(late.records()) >= 4, 90, "four epochs on the late peer")
@@ -46,7 +46,7 @@ def test_a_late_peer_loads_state_and_trains_in_step(worker_swarm):
 
 def test_a_peer_killed_mid_training_does_not_stop_the_others(worker_swarm):
     first = worker_swarm.start(min_peers=4, max_epochs=10, **COMMON)
-    peers = [first] + [worker_swarm.start(min_peers=4, max_epochs=10, initial=first, **COMMON) for _ in range(3)]
+    peers = [first, *worker_swarm.start_many(3, min_peers=4, max_epochs=10, initial=first, **COMMON)]
     victim = peers[2]
     worker_swarm.wait(lambda: victim.latest_epoch() >= 2, 90, "epoch 2")
     victim.signal(signal.SIGKILL)
@@ -58,7 +58,7 @@ def test_a_peer_killed_mid_training_does_not_stop_the_others(worker_swarm):
 
 def test_a_paused_peer_catches_up_by_loading_state(worker_swarm):
     first = worker_swarm.start(min_peers=3, max_seconds=150, **COMMON)
-    peers = [first] + [worker_swarm.start(min_peers=3, max_seconds=150, initial=first, **COMMON) for _ in range(2)]
+    peers = [first, *worker_swarm.start_many(2, min_peers=3, max_seconds=150, initial=first, **COMMON)]
     sleeper = peers[1]
     worker_swarm.wait(lambda: sleeper.latest_epoch() >= 2, 90, "epoch 2")
     paused_at = sleeper.latest_epoch()
@@ -79,7 +79,7 @@ def test_a_paused_peer_catches_up_by_loading_state(worker_swarm):
 
 def test_graceful_leave_leaves_no_errors_behind(worker_swarm):
     first = worker_swarm.start(min_peers=3, max_epochs=10, **COMMON)
-    peers = [first] + [worker_swarm.start(min_peers=3, max_epochs=10, initial=first, **COMMON) for _ in range(2)]
+    peers = [first, *worker_swarm.start_many(2, min_peers=3, max_epochs=10, initial=first, **COMMON)]
     leaver = peers[2]
     worker_swarm.wait(lambda: leaver.latest_epoch() >= 3, 90, "epoch 3")
     leaver.signal(signal.SIGTERM)  # a preemption notice
