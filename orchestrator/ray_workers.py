@@ -90,10 +90,14 @@ class WorkerActor:
         elif self.host is not None:
             self.host.renew_membership(token)
 
-    def notice(self, deadline_s: float) -> None:
+    def notice(self, deadline_s: float, sent_at: float | None = None) -> None:
         """A preemption notice: keep training (or serving experts, whose state the supervisor is
         copying elsewhere meanwhile) through most of it, then leave gracefully in the background,
-        all within ``deadline_s``."""
+        all within ``deadline_s`` of ``sent_at`` (wall clock): a notice that waited behind a busy
+        worker's start has less time left, not the whole period again."""
+        if sent_at is not None:
+            deadline_s = max(deadline_s - max(time.time() - sent_at, 0.0), 0.5)
+
         def leave() -> None:
             try:
                 if self.host is not None:  # out of its experts' records at once, answering until it goes
@@ -278,7 +282,7 @@ class RayWorkers:
 
     def notify(self, instance: Instance, deadline_s: float) -> None:
         try:
-            self._actor(instance).notice.remote(deadline_s)  # queued behind start if it is still booting
+            self._actor(instance).notice.remote(deadline_s, time.time())  # queued behind start if still booting
         except ValueError:  # no such actor: the worker never started or is gone already
             logger.info("no worker on %s to notify", instance.id)
 

@@ -296,7 +296,7 @@ async def test_a_stranger_in_another_process_is_refused_and_the_member_keeps_ser
 
 _FUZZ_AUTHORITY = Authority(Identity(), "fuzz")
 _FUZZ_PEER = Identity()
-_FUZZ_CERT = _FUZZ_AUTHORITY.issue(_FUZZ_PEER.peer_id, 600, roles=("worker",)).to_bytes()
+_FUZZ_CERT = _FUZZ_AUTHORITY.issue(_FUZZ_PEER.peer_id, 7 * 86400, roles=("worker",)).to_bytes()  # outlives the session
 
 
 def _fuzz_check(raw: object) -> None:
