@@ -36,11 +36,11 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import ROOT, Child, fmt, print_json, print_table  # noqa: E402
+from orchestrator.chaos_kinds import FAULT_KINDS as KINDS  # noqa: E402
+from orchestrator.chaos_kinds import PHASES, REPORT  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "cluster_configs", "local-chaos.yaml")
 SPOTSWARM = os.path.join(os.path.dirname(sys.executable), "spotswarm")
-KINDS = ("worker_kill", "node_kill", "supervisor_kill", "worker_pause", "bandwidth_drop", "disk_full", "clock_jump")
-PHASES = ("matchmaking", "all-reduce", "state download", "checkpoint write", "idle")
 
 
 def write_config(base: Path, name: str) -> tuple[Path, Path]:
@@ -93,7 +93,7 @@ def run_chaos(base: Path, name: str, window_s: float, every_s: float, seed: int,
     finally:
         child.finish(time.monotonic() + (120 if cut else 10))
         left = kill_left_nodes(name)
-    report_path = run_dir / "chaos.json"
+    report_path = run_dir / REPORT
     report = json.loads(report_path.read_text()) if report_path.exists() else {"faults": [], "violations": [],
                                                                                  "summary": {}}
     report.update(wall_s=time.monotonic() - started, cut_short=cut, left_nodes=left, rc=child.proc.returncode,

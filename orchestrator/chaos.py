@@ -34,7 +34,8 @@ import psutil
 import ray
 
 from . import chaos_disk, chaos_faults
-from .chaos_faults import FAULT_KINDS, Fault, FaultSkipped, Node
+from .chaos_faults import Fault, FaultSkipped, Node
+from .chaos_kinds import FAULT_KINDS, PHASES, REPORT, RUN_PHASES, WORKER_PHASES
 from .config import ClusterConfig
 from .invariants import (
     Violation,
@@ -45,11 +46,10 @@ from .invariants import (
     supervisor_downtimes,
 )
 from .run_store import RunStore
-from .supervisor import read_checkpoint
+from .supervisor import checkpoint_directory, read_checkpoint
 
 logger = logging.getLogger(__name__)
 
-REPORT = "chaos.json"
 
 
 class ChaosError(RuntimeError):
@@ -290,7 +290,7 @@ class ChaosRun:
     def _victim(self, fault: Fault) -> Node:
         """A live worker no lasting fault holds, answering: its phase is where the fault lands.  An
         aimed fault waits (bounded) for a worker in the phase it aims at, else takes any."""
-        want = self._aim(chaos_faults.WORKER_PHASES)
+        want = self._aim(WORKER_PHASES)
         deadline = time.monotonic() + self.settings.aim_s
         while True:
             nodes = [n for n in chaos_faults.live_nodes(self.run_dir) if n.instance_id not in self._busy]
@@ -313,7 +313,7 @@ class ChaosRun:
         return node
 
     def _supervisor_phase(self, fault: Fault) -> None:
-        want = self._aim(chaos_faults.RUN_PHASES)
+        want = self._aim(RUN_PHASES)
         deadline = time.monotonic() + self.settings.aim_s
         while True:
             status = self._supervisor_status() or {}
@@ -398,7 +398,7 @@ class ChaosRun:
                                                    f"(bound {self.settings.stall_bound_s:g} s)"))
 
     def _check_new_checkpoints(self) -> None:
-        directory = self.run_dir / "checkpoints"
+        directory = checkpoint_directory(self.config, self.run_dir)
         for path in sorted(directory.glob("epoch-*.pt")):
             if path.name in self._checked_checkpoints:
                 continue
@@ -532,7 +532,7 @@ def print_report(report: ChaosReport, console: Any) -> None:
 
     summary = report.summary
     table = Table(title=f"chaos run {report.cluster} (seed {report.seed}): faults by kind and phase")
-    phases = chaos_faults.PHASES
+    phases = PHASES
     table.add_column("kind", no_wrap=True)
     narrow = {"matchmaking": "match-\nmaking", "all-reduce": "all-\nreduce", "state download": "state\ndownload",
               "checkpoint write": "check-\npoint\nwrite"}  # fits an 80-column terminal

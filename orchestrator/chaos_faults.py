@@ -23,11 +23,6 @@ from .ray_workers import worker_actor_name
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("worker_kill", "node_kill", "supervisor_kill", "worker_pause", "bandwidth_drop", "disk_full",
-               "clock_jump")
-PHASES = ("matchmaking", "all-reduce", "state download", "checkpoint write", "idle")
-WORKER_PHASES = ("matchmaking", "all-reduce", "state download", "idle")  # a worker's
-RUN_PHASES = ("checkpoint write", "idle")  # the supervisor's: what a supervisor kill or a full disk hits
 SLOW_LINK_BYTES_PER_S = 125_000  # 1 Mbit/s
 ASK_TIMEOUT_S = 2.0  # a target that does not answer this fast is asked no more (a paused one never would)
 

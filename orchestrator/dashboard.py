@@ -28,6 +28,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import figures, metrics
+from .chaos_kinds import FAULT_KINDS, PHASES, REPORT
 from .run_store import RunStore
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,6 @@ def chart_figures(charts: list[figures.Chart], span_s: float) -> dict[str, dict]
 
 
 # ---- the chaos report --------------------------------------------------------------------------
-CHAOS_FILE = "chaos.json"
-FAULT_KINDS = ("worker_kill", "node_kill", "supervisor_kill", "worker_pause", "bandwidth_drop", "disk_full",
-               "clock_jump")
-PHASES = ("matchmaking", "all-reduce", "state download", "checkpoint write", "idle")
 NO_PHASE = "-"
 KIND_COLORS = dict(zip(FAULT_KINDS, ("#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"),
                        strict=True))
@@ -136,7 +133,7 @@ class ChaosReport(BaseModel):
 
 
 def chaos_path(run_dir: Path) -> Path:
-    return Path(run_dir) / CHAOS_FILE
+    return Path(run_dir) / REPORT
 
 
 def _no_constant(name: str) -> float:

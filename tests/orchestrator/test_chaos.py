@@ -15,7 +15,7 @@ pytest.importorskip("ray")
 
 from orchestrator import chaos_disk  # noqa: E402
 from orchestrator.chaos import REPORT, ChaosError, ChaosRun, ChaosSettings, plan  # noqa: E402
-from orchestrator.chaos_faults import FAULT_KINDS  # noqa: E402
+from orchestrator.chaos_kinds import FAULT_KINDS  # noqa: E402
 from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.invariants import check_leaks  # noqa: E402
 
