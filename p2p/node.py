@@ -10,8 +10,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-import types
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -254,7 +253,7 @@ class P2P:
             first = coro.send(None)  # run eagerly: most handlers answer without waiting on anything
         except StopIteration:
             return
-        task = self.loop.create_task(_resume(coro, first))
+        task = self.loop.create_task(_Resumed(coro, first))
         conn.handlers[sid] = task
         self._handler_tasks.add(task)
         timeout = h.get("d")
@@ -643,23 +642,42 @@ class P2P:
         await self.shutdown()
 
 
-@types.coroutine
-def _resume(coro: Any, first: Any) -> Any:
-    """Continue a coroutine that was started eagerly, inside a Task (what 3.12's eager tasks do)."""
-    pending = first
-    while True:
-        try:
-            value = yield pending
-        except BaseException as exc:
-            try:
-                pending = coro.throw(exc)
-            except StopIteration as stop:
-                return stop.value
-        else:
-            try:
-                pending = coro.send(value)
-            except StopIteration as stop:
-                return stop.value
+class _Resumed(Coroutine):
+    """A coroutine that was started eagerly, continued inside a Task (what 3.12's eager tasks do).
+
+    A class, not a generator: a task cancelled before its first step throws into the coroutine it
+    runs, and a generator that has not started yet would end there without passing the throw on,
+    leaving the handler suspended for good (its async generators still mid-iteration when the
+    loop closes)."""
+
+    def __init__(self, coro: Any, first: Any) -> None:
+        self._coro = coro
+        self._first = first
+        self._started = False
+
+    def send(self, value: Any) -> Any:
+        if not self._started:  # the task's first step: hand it what the eager step waits on
+            self._started = True
+            return self._first
+        return self._coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._started = True
+        if val is None and tb is None:
+            return self._coro.throw(typ)
+        return self._coro.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __next__(self) -> Any:
+        return self.send(None)
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __await__(self) -> Any:
+        return self
 
 
 async def spawn_peers(n: int, host: str = "127.0.0.1", **kwargs: Any) -> list[P2P]:

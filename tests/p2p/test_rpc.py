@@ -395,3 +395,36 @@ async def test_a_call_right_after_a_local_close_dials_again(pair):
     conn.abort("test: drop it")  # connection_lost has not run yet when the next call starts
     assert await a.call(b.address, "echo", 2) == 2
     assert await a.call(b.peer_id, "echo", 3) == 3
+
+
+async def test_a_handler_task_cancelled_before_its_first_step_still_unwinds_the_handler():
+    # a handler runs eagerly up to its first wait, then a task continues it; a connection closed in
+    # the same read as the call's OPEN cancels that task before its first step: the cancellation must
+    # still reach the handler, or its async generators stay mid-iteration until the loop closes
+    from p2p.node import _Resumed
+
+    unwound = []
+
+    async def items():
+        try:
+            await asyncio.Event().wait()
+            yield 1
+        finally:
+            unwound.append("generator")
+
+    async def handler():
+        generator = items()
+        try:
+            async for _ in generator:
+                pass
+        finally:
+            await generator.aclose()
+            unwound.append("handler")
+
+    coro = handler()
+    first = coro.send(None)  # the eager step: suspended inside the generator
+    task = asyncio.get_running_loop().create_task(_Resumed(coro, first))
+    task.cancel()  # before the task took a step
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert unwound == ["generator", "handler"]
