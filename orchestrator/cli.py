@@ -369,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if args.command == "worker"
                         else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command set up its own stop (its cleanup ran on the way out)
+        print(f"spotswarm {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

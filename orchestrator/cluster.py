@@ -44,6 +44,8 @@ def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "s
         options.pop("include_dashboard")
     # a fresh local ray.init occasionally fails on a busy machine; joining retries through a head restart
     retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_fixed(1.0), reraise=True)
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     try:
         retrying(ray.init, **options)
     except Exception as e:
@@ -53,6 +55,9 @@ def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "s
             f"cannot join the Ray cluster at {address}: {e}. Check that its head runs (`ray start --head`), "
             "that this machine reaches it, and, with token authentication, that RAY_AUTH_MODE=token and "
             "RAY_AUTH_TOKEN (or ~/.ray/auth_token) hold the head's token") from None
+    finally:  # ray.init makes SIGTERM exit at once: a command's own graceful stop must stay in place
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
     _quiet_worker_deaths()
 
 
@@ -263,7 +268,9 @@ def resume(target: str, duration: float | None, console: Console, address: str |
     with closing(RunStore.open(path)) as store:
         config = store.config().with_ray_address(address)
         latest = store.latest_checkpoint()
-        store.event("resume", detail={"checkpoint_epoch": latest[0] if latest else None})
+        # at the moment the run's clock (simulated on the local provider) resumes from, not before its past
+        store.event("resume", detail={"checkpoint_epoch": latest[0] if latest else None},
+                    at=max(store.last_time() or 0.0, time.time()))
     console.print(f"resuming {config.cluster_name} from checkpoint epoch {latest[0] if latest else 'none'}")
     run_foreground(config, path, duration, console)
     print_summary(path, console)

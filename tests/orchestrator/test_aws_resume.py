@@ -120,7 +120,9 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
         down = subprocess.run([*cli, "down", str(new_config)], cwd=new_dir, env=new_head.env, capture_output=True,
                               text=True, timeout=240)
         assert down.returncode == 0, down.stdout + down.stderr
-        resume.wait(timeout=120)
+        # `down` signals the resume command (SIGTERM), which stops its supervisor and exits cleanly
+        assert resume.wait(timeout=120) == 0, (tmp_path / "resume.out").read_text()[-3000:]
+        assert rows(new_db, "SELECT id FROM instances WHERE ended_at IS NULL") == []
         assert tagged_running(aws) == []  # every instance of the run terminated
     finally:
         new_head_boot.exception(timeout=120)  # started, so that the fixture stops it
