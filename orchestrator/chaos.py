@@ -338,9 +338,10 @@ class ChaosRun:
     def _bandwidth_drop(self, fault: Fault) -> None:
         node = self._victim(fault)
         fault.duration_s = round(self.rng.uniform(5, 20), 1)
-        fault.detail = chaos_faults.slow_link(node)
+        link = chaos_faults.slow_link(node)
+        fault.detail = link.detail
         self._busy[node.instance_id] = "bandwidth_drop"
-        self._lift_later(fault.duration_s, node.instance_id, lambda: chaos_faults.restore_link(node))
+        self._lift_later(fault.duration_s, node.instance_id, link.restore)
 
     def _clock_jump(self, fault: Fault) -> None:
         node = self._victim(fault)

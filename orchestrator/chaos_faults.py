@@ -102,31 +102,66 @@ def resume_worker(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def _tc(namespace: str, *args: str) -> None:
-    proc = subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", *args], capture_output=True, text=True,
+def _tc(namespace: str, *args: str) -> str:
+    proc = subprocess.run(["ip", "netns", "exec", namespace, "tc", *args], capture_output=True, text=True,
                           timeout=15, check=False)
     if proc.returncode != 0:
         raise FaultSkipped(f"tc in {namespace}: {proc.stderr.strip()}")
+    return proc.stdout
 
 
-def slow_link(node: Node) -> str:
-    """1 Mbit/s: tc on the namespace's link where the node has one, else the peer's own throttle."""
-    if node.namespace:
-        _tc(node.namespace, "replace", "dev", "eth0", "root", "tbf", "rate", "1mbit", "burst", "32kbit",
-            "latency", "400ms")
-        return f"tc tbf 1 Mbit/s on eth0 of namespace {node.namespace} (upload)"
-    _call_worker(node.instance_id, "throttle", SLOW_LINK_BYTES_PER_S)
-    return "the peer's own throttle at 1 Mbit/s (send and receive): no network namespace"
+# a link without shaping of its own: the fault's tbf is simply deleted after it
+_UNSHAPED = frozenset({"noqueue", "pfifo_fast", "pfifo", "fq_codel", "fq", "mq"})
 
 
-def restore_link(node: Node) -> None:
+def _root_qdisc(namespace: str) -> dict:
     try:
-        if node.namespace:
-            _tc(node.namespace, "del", "dev", "eth0", "root")
-        else:
-            _call_worker(node.instance_id, "throttle", None)
-    except FaultSkipped as e:  # the node died meanwhile: nothing left to restore
-        logger.info("link of %s not restored: %s", node.instance_id, e)
+        found = json.loads(_tc(namespace, "-j", "qdisc", "show", "dev", "eth0", "root") or "[]")
+    except ValueError:
+        found = []
+    return found[0] if found and isinstance(found[0], dict) else {}
+
+
+@dataclass
+class SlowLink:
+    """A slowed link and how to give it back as it was."""
+
+    node: Node
+    detail: str
+    shaped_before: dict | None = None  # the namespace link's own tbf (its options), put back afterwards
+
+    def restore(self) -> None:
+        node = self.node
+        try:
+            if not node.namespace:
+                _call_worker(node.instance_id, "throttle", None)
+            elif self.shaped_before is None:
+                _tc(node.namespace, "qdisc", "del", "dev", "eth0", "root")
+            else:
+                o = self.shaped_before
+                _tc(node.namespace, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{o['rate'] * 8}bit",
+                    "burst", f"{o['burst']}b", "latency", f"{o['lat']}us")
+        except FaultSkipped as e:  # the node died meanwhile: nothing left to restore
+            logger.info("link of %s not restored: %s", node.instance_id, e)
+
+
+def slow_link(node: Node) -> SlowLink:
+    """1 Mbit/s: tc on the namespace's link where the node has one, else the peer's own throttle.
+    A namespace link shaped by other means than a tbf is left alone (skipped): replacing its root
+    qdisc would lose that shaping for good."""
+    if not node.namespace:
+        _call_worker(node.instance_id, "throttle", SLOW_LINK_BYTES_PER_S)
+        return SlowLink(node, "the peer's own throttle at 1 Mbit/s (send and receive): no network namespace")
+    before = _root_qdisc(node.namespace)
+    kind = before.get("kind", "noqueue")
+    options = before.get("options") or {}
+    if kind not in _UNSHAPED and not (kind == "tbf" and {"rate", "burst", "lat"} <= set(options)):
+        raise FaultSkipped(f"eth0 of namespace {node.namespace} is shaped by a {kind} qdisc, which this fault "
+                           "would replace")
+    _tc(node.namespace, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", "1mbit", "burst", "32kbit",
+        "latency", "400ms")
+    return SlowLink(node, f"tc tbf 1 Mbit/s on eth0 of namespace {node.namespace} (upload)",
+                    options if kind == "tbf" else None)
 
 
 def jump_clock(node: Node, seconds: float) -> str:
