@@ -259,11 +259,11 @@ class _Reducer:
 
 
 def _owned(payload: dict) -> dict:
-    """A payload whose data is its own, not a view of the flat buffer.  A transport that cannot send
-    at once (a slow link, a receiver that stopped reading) keeps a reference to the bytes it was
-    given; the owner changes its buffer as soon as the round ends (the optimizer step, the next
-    accumulation), so a view would send those later values instead: members of one group would
-    step on different averages."""
+    """A payload whose data is its own, not a view of the flat buffer.  An averaged chunk is served
+    to every sender of the part, a slow one (a slow link, a paused process) possibly after our own
+    round ended and the owner changed its buffer (the optimizer step, the next accumulation): a view
+    would serve those later values instead, and members of one group would step on different
+    averages."""
     if payload["c"] == Codec.NONE.value and payload["d"].numel():
         return {**payload, "d": payload["d"].clone()}
     return payload
@@ -415,7 +415,8 @@ class AllReduceRound:
 
     def _outgoing(self, chunk: Chunk) -> dict:
         """The payload that carries our values of ``chunk``."""
-        return _owned(encode(chunk.codec, self.flat.flat[chunk.start:chunk.end]))
+        # a view, not a copy: the send returns once the kernel holds the bytes (p2p's contract)
+        return encode(chunk.codec, self.flat.flat[chunk.start:chunk.end])
 
     async def _send_chunks(self, call: Any, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
         for chunk in chunks:

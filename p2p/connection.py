@@ -43,7 +43,10 @@ logger = logging.getLogger(__name__)
 HELLO, PROOF, OPEN, DATA, END, ERROR, CANCEL, GOAWAY, RENEW = range(1, 10)
 VERSION = 1
 _HANDSHAKE_CONTEXT = b"spotswarm/handshake/v1"
-_WRITE_HIGH_WATER = 256 * 1024
+# A send returns once the kernel took every byte (nothing left in the transport's buffer): the
+# transport keeps what it could not send as it was given, zero-copy views of the caller's tensors,
+# and the caller changes those as soon as the send returns (the next accumulation, the step).
+_WRITE_HIGH_WATER = 0
 
 
 class Retry(PeerUnreachable):
@@ -358,8 +361,8 @@ class Connection(asyncio.BufferedProtocol):
         """Like send_nowait, then wait out the node's rate limit if it has one, and until the socket
         took the bytes if its buffer was full.
 
-        Returning means tensors in the message were either sent or copied by the transport, so
-        the caller may modify them.
+        Returning means the kernel took every byte of the message, so the caller may modify the
+        tensors in it (the transport holds the frames it could not send yet as views of them).
         """
         bufs = self.send_nowait(header)
         throttle = self.host.throttle

@@ -428,3 +428,25 @@ async def test_a_handler_task_cancelled_before_its_first_step_still_unwinds_the_
     with pytest.raises(asyncio.CancelledError):
         await task
     assert unwound == ["generator", "handler"]
+
+
+async def test_a_sent_tensor_may_be_changed_as_soon_as_the_send_returns(pair):
+    # tensors travel without a copy (the transport holds views of what it could not send yet): a
+    # send returns only once the kernel took every byte, so a caller reusing its buffer at once, on
+    # a link slower than its sends, never changes what is on the way
+    a, b = pair
+
+    async def keep(requests, ctx):
+        return [sorted(set(t.tolist())) async for t in requests]
+
+    b.register("keep", keep, CallKind.CLIENT_STREAM)
+    b.set_rate_limit(8_000_000)  # the receiver reads at 8 MB/s: the sender's buffers fill
+    buffer = torch.empty(32 * 1024)  # 128 KiB, reused for every message
+
+    async def messages():
+        for i in range(128):
+            buffer.fill_(i)
+            yield buffer
+            buffer.fill_(-1)  # the send has returned: the caller changes its buffer
+
+    assert await a.call_client_stream(b.address, "keep", messages(), timeout=60) == [[float(i)] for i in range(128)]
