@@ -27,7 +27,7 @@ from tests.orchestrator.run_checks import (  # noqa: E402
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("ray_session")]
 
 SHIPPED = Path(__file__).resolve().parents[2] / "cluster_configs" / "aws-spot.yaml"
-NOTICE_S = 20.0  # EC2 gives two minutes; the harness gives twenty seconds
+NOTICE_S = 15.0  # EC2 gives two minutes; the harness gives fifteen seconds
 
 
 def shipped_config(tmp_path: Path, ec2_endpoint: str, s3_endpoint: str) -> ClusterConfig:
