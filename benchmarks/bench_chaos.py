@@ -15,9 +15,10 @@ run left is killed; the run is reported as cut short and the rest still prints.
 
     python benchmarks/bench_chaos.py [--quick] [--duration S] [--every S] [--seed N] [--baseline-s S]
 
-``--quick`` (about 60 s): a 14-s window with a fault every 4.5 s (three faults), no run without
-faults (retained is null).  Needs root for the full-disk fault (a tmpfs under the run directory);
-without it that kind is reported as skipped.
+``--quick`` (about 60 s): a 22-s window with a fault every 4 s (three faults: the last 10 s of a
+window are left calm, to see the run recover), no run without faults (retained is null).  Needs
+root for the full-disk fault (a tmpfs under the run directory); without it that kind is reported
+as skipped.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def run_chaos(base: Path, name: str, window_s: float, every_s: float, seed: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 14-s window, three faults, no baseline")
+    parser.add_argument("--quick", action="store_true", help="a 22-s window, three faults, no baseline")
     parser.add_argument("--duration", type=float, default=1200.0, help="seconds of faults (default 1200)")
     parser.add_argument("--every", type=float, default=15.0, help="mean seconds between faults (default 15)")
     parser.add_argument("--seed", type=int, default=1)
@@ -112,7 +113,7 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR", help="keep the runs here (default: a temporary directory)")
     args = parser.parse_args()
     if args.quick:
-        args.duration, args.every, args.grace_s = 14.0, 4.5, 90.0
+        args.duration, args.every, args.grace_s = 22.0, 4.0, 90.0
     base = Path(args.keep or tempfile.mkdtemp(prefix="bench-chaos-"))
     base.mkdir(parents=True, exist_ok=True)
     print(f"runs in {base}; child logs next to them", flush=True)
