@@ -9,10 +9,13 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import psutil
 import pytest
+
+from orchestrator.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG = """\
@@ -69,8 +72,8 @@ def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
             up.kill()
     # the last moment the store heard from the killed run (its clock is simulated, 10x): all it gets
     # later is the resume's, whose clock carries on from there
-    killed_at = rows(db, "SELECT MAX(t) FROM (SELECT MAX(time) AS t FROM events UNION ALL SELECT MAX(time) "
-                         "FROM progress UNION ALL SELECT MAX(COALESCE(ended_at, launched_at)) FROM instances)")[0][0]
+    with closing(RunStore.open(db.parent)) as store:
+        killed_at = store.last_time()
 
     def progress_since_the_kill() -> list[int]:
         return [r[0] for r in rows(db, f"SELECT epoch FROM progress WHERE time > {killed_at} ORDER BY time")]

@@ -443,10 +443,16 @@ async def test_a_sent_tensor_may_be_changed_as_soon_as_the_send_returns(pair):
     b.set_rate_limit(8_000_000)  # the receiver reads at 8 MB/s: the sender's buffers fill
     buffer = torch.empty(32 * 1024)  # 128 KiB, reused for every message
 
+    held_back = []
+
     async def messages():
         for i in range(128):
             buffer.fill_(i)
             yield buffer
-            buffer.fill_(-1)  # the send has returned: the caller changes its buffer
+            # the send has returned: nothing of it is left in the event loop's buffer (which would
+            # hold views of ``buffer``), so the caller may change its buffer
+            held_back.append(a._cached_connection(b.address).transport.get_write_buffer_size())
+            buffer.fill_(-1)
 
     assert await a.call_client_stream(b.address, "keep", messages(), timeout=60) == [[float(i)] for i in range(128)]
+    assert held_back == [0] * 128
