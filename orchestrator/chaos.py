@@ -104,6 +104,7 @@ class ChaosReport:
     faults: list[Fault] = field(default_factory=list)
     violations: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    recovery_s: float | None = None  # from the last fault's end to the fleet's second epoch after it
 
     def violate(self, v: Violation) -> None:
         logger.warning("invariant %s broken: %s", v.invariant, v.detail)
@@ -181,7 +182,7 @@ class ChaosRun:
             self._at(begin + offset, lambda k=kind: self._inject(k))
         end = begin + self.settings.duration_s
         next_check = time.monotonic()
-        while not self.stop_event.is_set() and time.monotonic() < end:
+        while not self.stop_event.is_set() and not (time.monotonic() >= end and self._recovered()):
             self._run_due()
             if time.monotonic() >= next_check:
                 self._check_while_running()
@@ -189,6 +190,28 @@ class ChaosRun:
                 next_check = time.monotonic() + self.settings.check_every_s
             wait = min([end, next_check] + ([self._due[0].at] if self._due else [])) - time.monotonic()
             self.stop_event.wait(max(min(wait, 0.5), 0.0))
+
+    def _recovered(self) -> bool:
+        """Whether the fleet trains on after the last fault: two epochs recorded after it ended (the first
+        may be one in flight through it).  The run goes on past its window until then, up to the stall
+        bound after the fault; past that, a ``recovery`` violation and the run ends."""
+        injected = [f for f in self.report.faults if f.outcome == "injected"]
+        if not injected or self.report.recovery_s is not None:
+            return True
+        since = max(f.time + (f.duration_s or 0.0) for f in injected)
+        if time.time() < since or "disk" in self._busy:
+            return False
+        with closing(RunStore.open(self.run_dir)) as store:
+            rows = store.db.execute("SELECT time FROM progress WHERE time > ? ORDER BY epoch LIMIT 2",
+                                    (since,)).fetchall()
+        if len(rows) == 2:
+            self.report.recovery_s = round(rows[1][0] - since, 2)
+            return True
+        if time.time() - since > self.settings.stall_bound_s:
+            self.report.violate(Violation("recovery", f"the fleet completed {len(rows)} epoch(s) in the "
+                                                      f"{self.settings.stall_bound_s:g} s after the last fault"))
+            return True
+        return False
 
     def _end(self) -> None:
         """Lift every lasting fault, stop the run cleanly (every instance released), leave Ray."""
@@ -477,7 +500,7 @@ class ChaosRun:
             "max_stall_s": round(max_stall_s, 2), "p99_stall_s": round(_percentile(gaps, 99), 2),
             "epochs": rows[-1][1] if rows else 0, "samples": int(samples[0] or 0) if samples else 0,
             "samples_per_second": round(samples[0] / span, 2) if span > 0 and samples[0] else 0.0,
-            "retained": None, "rolled_back_epochs": len(self._rolled_back),
+            "retained": None, "rolled_back_epochs": len(self._rolled_back), "recovery_s": self.report.recovery_s,
             "by_kind": dict(Counter(f.kind for f in injected)), "by_phase": dict(Counter(f.phase for f in injected)),
         }
 
@@ -547,7 +570,8 @@ def print_report(report: ChaosReport, console: Any) -> None:
     console.print(table)
     console.print(f"faults {summary.get('faults')}, invariant violations {summary.get('invariant_violations')}, "
                   f"error tracebacks {summary.get('error_tracebacks')}, max stall {summary.get('max_stall_s')} s, "
-                  f"p99 stall {summary.get('p99_stall_s')} s, {summary.get('epochs')} epochs, "
+                  f"p99 stall {summary.get('p99_stall_s')} s, recovered {summary.get('recovery_s')} s after "
+                  f"the last fault, {summary.get('epochs')} epochs, "
                   f"{summary.get('samples_per_second')} samples/s")
     for v in report.violations:
         console.print(f"[red]{v['invariant']}[/]: {v['detail']}")

@@ -109,6 +109,7 @@ class ChaosSummary(BaseModel):
     error_tracebacks: int | None = None
     max_stall_s: float | None = None
     p99_stall_s: float | None = None
+    recovery_s: float | None = None  # from the last fault's end to the fleet's second epoch after it
     retained: Any = None
     by_kind: dict[str, int] = {}
     by_phase: dict[str, int] = {}
@@ -212,6 +213,7 @@ def chaos_summary_rows(report: ChaosReport) -> list[tuple[str, str]]:
         ("error tracebacks", _format_value(s.error_tracebacks)),
         ("max stall", seconds(s.max_stall_s)),
         ("p99 stall", seconds(s.p99_stall_s)),
+        ("recovered after the last fault", seconds(s.recovery_s)),
         ("retained", _format_value(s.retained)),
     ]
 

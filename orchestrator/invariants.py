@@ -29,7 +29,7 @@ ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b")
 
 @dataclass(frozen=True)
 class Violation:
-    invariant: str  # store | checkpoints | stall | leaks | tracebacks | equal_params
+    invariant: str  # store | checkpoints | stall | recovery | leaks | tracebacks | equal_params
     detail: str
 
 

@@ -39,7 +39,7 @@ def chaos_report(violations: list[dict] | None = None, state: str = "finished") 
         "started_at": T0 - 5, "ended_at": T0 + 7900, "duration_s": 7905.0, "state": state,
         "faults": faults, "violations": violations,
         "summary": {"faults": 6, "skipped": 1, "invariant_violations": len(violations), "error_tracebacks": 0,
-                    "max_stall_s": 12.34, "p99_stall_s": 10.1, "retained": None,
+                    "max_stall_s": 12.34, "p99_stall_s": 10.1, "recovery_s": 4.25, "retained": None,
                     "by_kind": {"worker_kill": 2}, "by_phase": {"idle": 2}, "epochs": 20},
     }
 
@@ -102,7 +102,8 @@ def test_chaos_api_counts_lists_and_marks_every_fault(hand_run):
                                      "detail": "peers disagree after epoch 17", "t_s": 5000}]
     rows = dict(report["summary_rows"])
     assert rows == {"faults": "6", "skipped": "1", "invariant violations": "1", "error tracebacks": "0",
-                    "max stall": "12.3 s", "p99 stall": "10.1 s", "retained": "-"}
+                    "max stall": "12.3 s", "p99 stall": "10.1 s", "recovered after the last fault": "4.2 s",
+                    "retained": "-"}
     assert report["summary"]["by_kind"] == {"worker_kill": 2} and report["summary"]["epochs"] == 20  # kept as is
 
     assert set(report["charts"]) == {"throughput", "loss"}
