@@ -50,7 +50,8 @@ first launch (B + E) as the real runs'.  Also printed: its mean over 1000 seeds.
     python benchmarks/bench_preemption.py [--quick] [--device-ms MS]
 
 ``--quick`` is a smoke test, not a measurement: the calibration run doubles as ``none``, then
-``L20`` alone, 12-s windows; Ray start-up plus two fleet boots take about a minute on this machine.
+``L20`` alone, 10-s windows, forward passes padded by 5 ms (so that 20 E outlasts a boot) and 5 s
+waited after a window; under a minute on this machine.
 Prints tables, then one JSON line of figures.
 """
 
@@ -369,29 +370,33 @@ class Bench:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="calibration as none, then L20, 12-s windows (smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="calibration as none, then L20, 10-s windows, --device-ms 5 (smoke test)")
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the four cases (3; quick 1)")
-    parser.add_argument("--window-s", type=float, help="measured window per run, real seconds (60; quick 12)")
+    parser.add_argument("--window-s", type=float, help="measured window per run, real seconds (60; quick 10)")
     parser.add_argument("--calibration-s", type=float,
                         help="window of the calibration run, real seconds (40, longer until 10 epochs, at most 4x)")
     parser.add_argument("--target-batch-size", type=int, help="global batch per epoch (32768; quick 8192)")
-    parser.add_argument("--device-ms", type=float, default=0.0,
-                        help="pad each forward pass with this much sleep (an accelerator step); 0 = plain synthetic")
+    parser.add_argument("--device-ms", type=float,
+                        help="pad each forward pass with this much sleep (an accelerator step); 0 = plain synthetic "
+                             "(0; quick 5: plain epochs are so short that lifetimes of 20 E are all churn)")
     parser.add_argument("--time-scale", type=float, default=10.0, help="simulated seconds per real second")
     parser.add_argument("--provisioning-s", type=float, default=20.0, help="simulated seconds")
     parser.add_argument("--notice-s", type=float, default=30.0, help="preemption notice, simulated seconds")
     parser.add_argument("--checkpoint-epochs", type=float, default=5.0, help="checkpoint interval, in epochs E")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--boot-timeout-s", type=float, default=150.0, help="real seconds to the first epoch")
-    parser.add_argument("--tail-s", type=float, default=30.0,
-                        help="real seconds to wait after a window for its next epoch (to interpolate)")
+    parser.add_argument("--tail-s", type=float,
+                        help="real seconds to wait after a window for its next epoch, to interpolate (30; quick 5)")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
-    args.window_s = args.window_s or (12.0 if args.quick else 60.0)
+    args.window_s = args.window_s or (10.0 if args.quick else 60.0)
     args.calibration_s = args.calibration_s or (args.window_s if args.quick else 40.0)
     args.target_batch_size = args.target_batch_size or (8192 if args.quick else 32768)
+    args.device_ms = args.device_ms if args.device_ms is not None else (5.0 if args.quick else 0.0)
+    args.tail_s = args.tail_s if args.tail_s is not None else (5.0 if args.quick else 30.0)
     if args.device_ms > 0:
         from _preemption_task import task_spec
         args.task_spec = task_spec(args.device_ms)
@@ -608,8 +613,8 @@ def print_notes(b: Bench, by_peers: dict[int, tuple[float, float]], load0: tuple
     print(f"wall {wall:.0f} s (Ray start {b.ray_up_s:.0f} s); load average at start {load0[0]:.2f} {load0[1]:.2f} "
           f"{load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     if b.args.quick:
-        print("--quick: a smoke test, not a measurement (calibration run doubles as none; L20 only; 12-s windows); "
-              "Ray start-up plus two fleet boots do not fit in 60 s on this machine")
+        print(f"--quick: a smoke test, not a measurement (calibration run doubles as none; L20 only; 10-s windows; "
+              f"forward passes padded by {b.args.device_ms:g} ms)")
 
 
 def figures_of(b: Bench, s: Summary, by_peers: dict[int, tuple[float, float]], load0: tuple, load1: tuple,
