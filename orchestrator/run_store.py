@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 # what SQLite says when the disk (or the run directory's filesystem) has no room for a write
 _NO_ROOM = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR}
+# rows that sample a series: while the disk has no room, these may be thinned (see RunStore._thin)
+_SAMPLE_WRITES = ("INSERT INTO progress ", "INSERT INTO experts ")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
@@ -83,6 +85,9 @@ class RunStore:
         self.db.executescript(SCHEMA)
         self.db.commit()
         self._pending: list[tuple[str, tuple]] = []  # writes the disk had no room for yet, in order
+        self._retry_at = 0.0  # monotonic: when held writes are next tried
+        self._thinned = 0  # sample rows dropped while the disk had no room (said once per outage)
+        self._thin_slack = 0  # held rows past max_pending before the next thinning
         self._write_lock = threading.Lock()
 
     @classmethod
@@ -117,32 +122,66 @@ class RunStore:
         """Writes held in memory until the disk has room again (0 normally)."""
         return len(self._pending)
 
+    #: how often held writes are tried again while the disk has no room (each try replays them all)
+    retry_every_s: float = 1.0
+    #: held writes past which sample rows are thinned (about 200 bytes each)
+    max_pending: int = 100_000
+
     def _write(self, sql: str, args: tuple) -> None:
         """Every write goes through here: a full disk holds writes back, in order, instead of losing
-        them or failing the caller (the supervisor's tick must go on); the next write retries them."""
+        them or failing the caller (the supervisor's tick must go on); a later write retries them."""
         with self._write_lock:
             self._pending.append((sql, args))
-            self._flush()
+            if len(self._pending) == 1 or time.monotonic() >= self._retry_at:
+                self._flush()
+            elif len(self._pending) > self.max_pending + self._thin_slack:
+                self._thin()
 
     def _flush(self) -> bool:
         """Write what is held back, in one transaction; False while the disk still has no room."""
+        done = 0
         try:
             with self.db:  # commits, or rolls back on error: all held writes land, or none
                 for sql, args in self._pending:
                     self.db.execute(sql, args)
-        except sqlite3.OperationalError as e:
-            if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in _NO_ROOM:  # the primary code
-                self._pending.pop()  # a bad statement is the caller's error, not the disk's
+                    done += 1
+        except Exception as e:
+            if not isinstance(e, sqlite3.OperationalError) or \
+                    (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in _NO_ROOM:  # the primary code
+                del self._pending[done]  # a bad statement is a caller's error, not the disk's: the rest stay
                 raise
             if len(self._pending) == 1:  # said once per outage, not once per write
                 logger.warning("run store %s: no room on disk (%s); holding writes in memory until there is",
                                self.dir, e)
+            self._retry_at = time.monotonic() + self.retry_every_s
             return False
         if len(self._pending) > 1:
-            logger.warning("run store %s: disk has room again; wrote the %d writes held meanwhile",
-                           self.dir, len(self._pending))
+            thinned = f" ({self._thinned} progress and expert samples thinned out)" if self._thinned else ""
+            logger.warning("run store %s: disk has room again; wrote the %d writes held meanwhile%s",
+                           self.dir, len(self._pending), thinned)
         self._pending.clear()
+        self._thinned = 0
+        self._thin_slack = 0
         return True
+
+    def _thin(self) -> None:
+        """Bound the memory a long outage takes: every other held sample row (progress, experts) goes
+        — their series keep their shape at half the resolution — while instance, event and checkpoint
+        rows, which the costs and the history are read from, are all kept."""
+        if self._thinned == 0:
+            logger.warning("run store %s: %d writes held in memory; thinning the progress and expert samples "
+                           "among them until the disk has room", self.dir, len(self._pending))
+        kept, odd = [], False
+        for write in self._pending:
+            if write[0].startswith(_SAMPLE_WRITES):
+                odd = not odd
+                if not odd:
+                    self._thinned += 1
+                    continue
+            kept.append(write)
+        self._pending = kept
+        # rows that must stay (accounting) do not make every later write thin again
+        self._thin_slack = max(len(kept) - self.max_pending, 0) + self.max_pending // 2
 
     def event(self, kind: str, instance_id: str | None = None, detail: Any = None, at: float | None = None) -> None:
         text = detail if isinstance(detail, str) or detail is None else json.dumps(detail)

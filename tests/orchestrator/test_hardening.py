@@ -96,17 +96,22 @@ def test_down_never_signals_a_process_that_got_the_runs_pid(tmp_path, capsys):
         stranger.wait()
 
 
+def one_machine_config(tmp_path, name: str):
+    from orchestrator.config import ClusterConfig
+
+    return ClusterConfig.model_validate({"cluster_name": name, "runs_dir": str(tmp_path / "runs"),
+                                         "available_node_types": {"small": {"min_workers": 1, "max_workers": 1}}})
+
+
 @pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
 def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tmp_path):
-    from orchestrator.config import ClusterConfig
     from orchestrator.run_store import InstanceRecord, RunStore
 
-    config = ClusterConfig.model_validate({"cluster_name": "full", "runs_dir": str(tmp_path / "runs"),
-                                           "available_node_types": {"small": {"min_workers": 1,
-                                                                              "max_workers": 1}}})
+    config = one_machine_config(tmp_path, "full")
     run_dir = config.run_dir()
     with chaos_disk.small_disk(run_dir, 8):
         store = RunStore.create(config)
+        store.retry_every_s = 0.0  # every write tries the held ones again (by default once a second)
         store.event("before")
         assert chaos_disk.fill(run_dir) > 0
         # the writes a supervisor's tick makes while the disk is full: none raises, none is lost
@@ -130,3 +135,55 @@ def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tm
         store.close()
     with pytest.raises(sqlite3.OperationalError):  # a bad statement is still the caller's error
         RunStore.open(run_dir).update_instance("i-1", no_such_column=1)
+
+
+@pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
+def test_a_long_full_disk_outage_costs_bounded_memory_and_time_and_keeps_every_accounting_row(tmp_path):
+    """Held writes are tried again once per ``retry_every_s``, not on every write (each try replays
+    them all); past ``max_pending`` every other progress sample goes, never an instance or event row."""
+    from orchestrator.run_store import InstanceRecord, RunStore
+
+    config = one_machine_config(tmp_path, "long")
+    run_dir = config.run_dir()
+    with chaos_disk.small_disk(run_dir, 8):
+        store = RunStore.create(config)
+        store.retry_every_s, store.max_pending = 3600.0, 100
+        assert chaos_disk.fill(run_dir) > 0
+        executed = []
+        store.db.set_trace_callback(executed.append)
+        store.launched(InstanceRecord("i-1", "small", "a", "spot", 0.1, 1.0, 100.0))
+        for epoch in range(1, 1001):
+            store.progress(epoch, None, 10.0, 1, epoch * 64)
+            if epoch % 100 == 0:
+                store.event("tick", detail={"epoch": epoch})
+        store.update_instance("i-1", ended_at=2000.0, end_reason="preempted")
+        store.db.set_trace_callback(None)
+        assert len(executed) < 20, "held writes were replayed on every write"
+        assert store.pending_writes <= 2 * store.max_pending
+        chaos_disk.unfill(run_dir)
+        store.close()  # closing tries once more: everything held lands
+    store = RunStore.open(run_dir)
+    try:
+        kinds = [k for (k,) in store.db.execute("SELECT kind FROM events ORDER BY rowid")]
+        assert kinds == ["launch"] + ["tick"] * 10  # every event, in order
+        (instance,) = store.instances()
+        assert (instance.ended_at, instance.end_reason) == (2000.0, "preempted")
+        epochs = [row[1] for row in store.progress_rows()]
+        assert 50 <= len(epochs) < 1000 and epochs == sorted(epochs) and epochs[-1] >= 990
+    finally:
+        store.close()
+
+
+def test_a_bad_write_is_the_callers_error_and_does_not_block_the_writes_after_it(tmp_path):
+    from orchestrator.run_store import RunStore
+
+    config = one_machine_config(tmp_path, "bad")
+    store = RunStore.create(config)
+    try:
+        with pytest.raises(Exception, match="bind|type"):
+            store.progress(1, object(), 10.0, 1, 64)  # type: ignore[arg-type]  # not a number
+        store.progress(2, 0.5, 10.0, 1, 128)
+        assert store.pending_writes == 0
+        assert [row[1] for row in store.progress_rows()] == [2]
+    finally:
+        store.close()
