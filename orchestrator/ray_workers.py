@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -93,10 +94,11 @@ class WorkerActor:
     def notice(self, deadline_s: float, sent_at: float | None = None) -> None:
         """A preemption notice: keep training (or serving experts, whose state the supervisor is
         copying elsewhere meanwhile) through most of it, then leave gracefully in the background,
-        all within ``deadline_s`` of ``sent_at`` (wall clock): a notice that waited behind a busy
-        worker's start has less time left, not the whole period again."""
+        all within ``deadline_s`` of ``sent_at`` (the swarm clock, which the supervisor's and this
+        machine's DHT nodes agree on even when their wall clocks do not): a notice that waited
+        behind a busy worker's start has less time left, not the whole period again."""
         if sent_at is not None:
-            deadline_s = max(deadline_s - max(time.time() - sent_at, 0.0), 0.5)
+            deadline_s = max(deadline_s - max(self.swarm_now() - sent_at, 0.0), 0.5)
 
         def leave() -> None:
             try:
@@ -110,6 +112,11 @@ class WorkerActor:
             finally:
                 self.left.set()
         threading.Thread(target=leave, name="leaving", daemon=True).start()
+
+    def swarm_now(self) -> float:
+        """This worker's swarm clock (its DHT's; the wall clock before its DHT is up)."""
+        dht = self.peer.dht if self.peer is not None else getattr(getattr(self.host, "server", None), "dht", None)
+        return dht.clock.now() if dht is not None else time.time()
 
     def _on_instance_notice(self, notice: Any) -> None:
         if notice.kind == "rebalance":
@@ -197,7 +204,9 @@ class RayWorkers:
     """The policy's ``WorkerControl`` over Ray actors."""
 
     def __init__(self, boot_timeout: float = 600.0, watch: dict | None = None, check_every_s: float = 1.0,
-                 certifier: Any = None, gpus: dict[str, int] | None = None) -> None:
+                 certifier: Any = None, gpus: dict[str, int] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock  # the supervisor's swarm clock: a notice is dated by it, as workers read theirs
         self.gpus = gpus or {}  # node type -> GPUs its worker takes (the training device may be one)
         self.boot_timeout = boot_timeout  # a cloud machine may take minutes to boot and join
         self.certifier = certifier  # the run's authority.Certifier; None: membership off
@@ -282,7 +291,7 @@ class RayWorkers:
 
     def notify(self, instance: Instance, deadline_s: float) -> None:
         try:
-            self._actor(instance).notice.remote(deadline_s, time.time())  # queued behind start if still booting
+            self._actor(instance).notice.remote(deadline_s, self.clock())  # queued behind start if still booting
         except ValueError:  # no such actor: the worker never started or is gone already
             logger.info("no worker on %s to notify", instance.id)
 

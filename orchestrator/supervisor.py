@@ -126,7 +126,7 @@ class SupervisorCore:
     def _worker_control(self) -> RayWorkers:
         """Cloud machines watch their own metadata for notices; the local simulator tells its workers."""
         return RayWorkers(watch=instance_watch(self.config.provider.type, self.config.spot.notice_period_s),
-                          certifier=self.certifier, gpus=self.config.worker_gpus())
+                          certifier=self.certifier, gpus=self.config.worker_gpus(), clock=self.dht.clock.now)
 
     def _head_changed(self) -> bool:
         """Whether the run's previous supervisor ran on another Ray cluster (the old head is gone, and
