@@ -312,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--seed", type=int, default=0, help="draws the faults' moments, kinds and targets (default 0)")
     ch.add_argument("--every", type=float, default=15.0, metavar="S", help="mean seconds between faults (default 15)")
     ch.add_argument("--stall-bound", type=float, default=60.0, metavar="S",
-                    help="a violation if no new epoch comes for longer (default 60)")
+                    help="a violation if no new epoch comes for longer, or if the fleet has not completed two "
+                         "epochs this long after the last fault (the run goes on past --duration until it has; "
+                         "default 60)")
     ch.add_argument("--kinds", metavar="K1,K2", help="only these fault kinds (default all: worker_kill, node_kill, "
                                                      "supervisor_kill, worker_pause, bandwidth_drop, disk_full, "
                                                      "clock_jump; none: the same run without faults)")
