@@ -36,8 +36,8 @@ each instance) times their price.  cost ratio = ($ per million samples of L20 at
 
 Restart baseline (SIMULATED, not run): what Ray Train and SkyPilot managed jobs do.  A discrete-event
 simulation of the same fleet, per round, driven by the same lifetime draws
-(``random.Random(seed)``, one exponential draw per launch in launch order, as ``LocalSpotProvider``
-draws them), the measured no-preemption throughput, the runs' checkpoint interval
+(one exponential draw per launch from ``launch_rng(seed, k)`` for the k-th launch, as
+``LocalSpotProvider`` draws them), the measured no-preemption throughput, the runs' checkpoint interval
 (``checkpoint.every_s`` = ``--checkpoint-epochs`` x E), the same provisioning delay, and the
 measured boot time B.  Whenever any instance is killed the whole job stops and loses the work since
 its last checkpoint (a checkpoint every ``every_s`` of training since the last restart, written for
@@ -58,10 +58,10 @@ Prints tables, then one JSON line of figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import os
-import random
 import shutil
 import sqlite3
 import statistics
@@ -76,6 +76,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from _common import WarningCounter, fmt, print_json, print_table, retry  # noqa: E402
+
+from orchestrator.providers.local import launch_rng  # noqa: E402
 
 ON_DEMAND = 1.00  # $/h per instance
 SPOT_RATIO = 0.3
@@ -247,9 +249,7 @@ def _analyze(run: Run, config, run_dir: Path) -> None:
 
 def _check_lifetimes(inst: list, mean: float, config) -> str:
     """The killed instances' recorded lifetimes against the draws the provider should have made."""
-    rng = random.Random(config.provider.seed)
-    draws = [rng.expovariate(1.0 / mean) for _ in range(len(inst))]
-    late = [ended - launched - draws[int(iid.rsplit("-", 1)[1])]
+    late = [ended - launched - launch_rng(config.provider.seed, int(iid.rsplit("-", 1)[1])).expovariate(1.0 / mean)
             for iid, _p, _od, launched, ended, reason in inst if reason in ("preempted", "died") and ended]
     if not late:
         return "no kills"
@@ -261,11 +261,14 @@ def _check_lifetimes(inst: list, mean: float, config) -> str:
 def simulate_restart(seed: int, mean_lifetime: float, n: int, rate: float, checkpoint_s: float,
                      provisioning_s: float, boot_s: float, t0: float, t1: float) -> dict:
     """Discrete-event simulation; times in simulated seconds from the first launch."""
-    rng = random.Random(seed)
+    launches = itertools.count()  # launch k's lifetime is drawn as the provider draws it
+
+    def draw() -> float:
+        return launch_rng(seed, next(launches)).expovariate(1.0 / mean_lifetime)
     slots = []  # [launch, kill] of the instance in each slot
     bills = []  # every instance's [launch, kill]
     for _ in range(n):
-        life = rng.expovariate(1.0 / mean_lifetime)
+        life = draw()
         slots.append([0.0, life])
         bills.append([0.0, life])
     segs = []  # training segments: (start, end, progress at start, progress kept after the end)
@@ -288,7 +291,7 @@ def simulate_restart(seed: int, mean_lifetime: float, n: int, rate: float, check
         elif kill >= t1:
             break
         launch = kill + provisioning_s
-        life = rng.expovariate(1.0 / mean_lifetime)
+        life = draw()
         slots[i] = [launch, launch + life]
         bills.append([launch, launch + life])
         ready = max(s[0] for s in slots) + boot_s

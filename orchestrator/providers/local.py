@@ -34,6 +34,13 @@ class _Schedule:
     noticed: bool = False
 
 
+def launch_rng(seed: int, sequence: int) -> random.Random:
+    """The draws of one launch, a function of the run's seed and the launch's number alone: launch k
+    gets the same lifetime whatever order concurrent launches complete in, and a resumed run, whose
+    launch numbers continue, draws fresh lifetimes instead of replaying the first ones."""
+    return random.Random(f"{seed}/{sequence}")
+
+
 class SimulatedMarket:
     """What both local modes share: per-zone prices, a provisioning delay, and each launch's
     preemption schedule (drawn from the node type's lifetime model, or replayed from a trace)."""
@@ -41,7 +48,6 @@ class SimulatedMarket:
     def __init__(self, config: ClusterConfig, clock: Any) -> None:
         self.config = config
         self.clock = clock
-        self.rng = random.Random(config.provider.seed)
         self.schedules: dict[str, _Schedule] = {}
         self.trace = _read_trace(config.provider.trace_file) if config.provider.trace_file else None
 
@@ -66,11 +72,12 @@ class SimulatedMarket:
         model = self.config.available_node_types[node_type].preemption
         if market != "spot" or model.distribution == "none":
             return _Schedule(None, None)
+        rng = launch_rng(self.config.provider.seed, sequence)
         if model.distribution == "exponential":
-            lifetime = self.rng.expovariate(1.0 / model.mean_lifetime_s)
+            lifetime = rng.expovariate(1.0 / model.mean_lifetime_s)
         else:  # Weibull with the requested mean
             scale = model.mean_lifetime_s / math.gamma(1 + 1 / model.weibull_shape)
-            lifetime = self.rng.weibullvariate(scale, model.weibull_shape)
+            lifetime = rng.weibullvariate(scale, model.weibull_shape)
         kill_at = now + lifetime
         return _Schedule(max(now, kill_at - notice_period), kill_at)
 
