@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 # what SQLite says when the disk (or the run directory's filesystem) has no room for a write
 _NO_ROOM = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR}
-# rows that sample a series: while the disk has no room, these may be thinned (see RunStore._thin)
-_SAMPLE_WRITES = ("INSERT INTO progress ", "INSERT INTO experts ")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
@@ -84,7 +82,8 @@ class RunStore:
         self.db.execute("PRAGMA journal_mode=WAL")  # readers (status, dashboard) never block the writer
         self.db.executescript(SCHEMA)
         self.db.commit()
-        self._pending: list[tuple[str, tuple]] = []  # writes the disk had no room for yet, in order
+        # writes the disk had no room for yet, in order: (sql, args, a sample row that may be thinned)
+        self._pending: list[tuple[str, tuple, bool]] = []
         self._retry_at = 0.0  # monotonic: when held writes are next tried
         self._thinned = 0  # sample rows dropped while the disk had no room (said once per outage)
         self._thin_slack = 0  # held rows past max_pending before the next thinning
@@ -127,11 +126,12 @@ class RunStore:
     #: held writes past which sample rows are thinned (about 200 bytes each)
     max_pending: int = 100_000
 
-    def _write(self, sql: str, args: tuple) -> None:
+    def _write(self, sql: str, args: tuple, sample: bool = False) -> None:
         """Every write goes through here: a full disk holds writes back, in order, instead of losing
-        them or failing the caller (the supervisor's tick must go on); a later write retries them."""
+        them or failing the caller (the supervisor's tick must go on); a later write retries them.
+        ``sample``: a row of a sampled series (progress, experts), which a long outage may thin."""
         with self._write_lock:
-            self._pending.append((sql, args))
+            self._pending.append((sql, args, sample))
             if len(self._pending) == 1 or time.monotonic() >= self._retry_at:
                 self._flush()
             elif len(self._pending) > self.max_pending + self._thin_slack:
@@ -142,13 +142,14 @@ class RunStore:
         done = 0
         try:
             with self.db:  # commits, or rolls back on error: all held writes land, or none
-                for sql, args in self._pending:
+                for sql, args, _sample in self._pending:
                     self.db.execute(sql, args)
                     done += 1
         except Exception as e:
             if not isinstance(e, sqlite3.OperationalError) or \
                     (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in _NO_ROOM:  # the primary code
-                del self._pending[done]  # a bad statement is a caller's error, not the disk's: the rest stay
+                if done < len(self._pending):  # a bad statement is a caller's error, not the disk's
+                    del self._pending[done]  # the rest stay
                 raise
             if len(self._pending) == 1:  # said once per outage, not once per write
                 logger.warning("run store %s: no room on disk (%s); holding writes in memory until there is",
@@ -173,7 +174,7 @@ class RunStore:
                            "among them until the disk has room", self.dir, len(self._pending))
         kept, odd = [], False
         for write in self._pending:
-            if write[0].startswith(_SAMPLE_WRITES):
+            if write[2]:
                 odd = not odd
                 if not odd:
                     self._thinned += 1
@@ -200,7 +201,7 @@ class RunStore:
 
     def progress(self, epoch: int, loss: float | None, samples_per_second: float, peers: int, samples: int) -> None:
         self._write("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
-                    (self.clock(), epoch, loss, samples_per_second, peers, samples))
+                    (self.clock(), epoch, loss, samples_per_second, peers, samples), sample=True)
 
     def expert_sample(self, live: int, grid: int, min_replicas: int, mean_replicas: float,
                       requests_per_second: float | None, rows_per_batch: float | None, calls: int,
@@ -209,7 +210,7 @@ class RunStore:
         replicas, the servers' load, and the fraction of the trainers' forward passes that met k_min."""
         self._write("INSERT INTO experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (self.clock(), live, grid, min_replicas, mean_replicas, requests_per_second,
-                     rows_per_batch, calls, kmin_fraction))
+                     rows_per_batch, calls, kmin_fraction), sample=True)
 
     def expert_rows(self) -> list[tuple]:
         return self.db.execute("SELECT * FROM experts ORDER BY time").fetchall()
