@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerUnreachable
+from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerID, PeerUnreachable
 from p2p.node import CallContext
 
 from .clock import SwarmClock, local_time
@@ -104,7 +104,7 @@ class DHTNode:
                  max_records: int = 100_000, clock_drift: float = 1.0, refresh_period: float = 600.0,
                  max_expiration: float = 86400.0, max_subkeys: int = 1024, max_key_total_bytes: int = 2 << 20,
                  verify_signatures: bool = True, clock: Callable[[], float] = local_time,
-                 clock_sample_interval: float = 2.0, clock_sample_peers: int = 2) -> None:
+                 clock_sample_interval: float = 2.0, clock_sample_peers: int = 2, suspect_for: float = 10.0) -> None:
         self.p2p = p2p
         self._owns_p2p = owns_p2p
         self.node_id = node_id_of(p2p.peer_id)
@@ -131,6 +131,9 @@ class DHTNode:
         self.refresh_period = refresh_period
         self._background: set[asyncio.Task] = set()
         self._pinging: set[int] = set()
+        # contacts whose call failed, by node id: (monotonic time until which they stay out, contact)
+        self.suspect_for = suspect_for
+        self._suspects: dict[int, tuple[float, Contact]] = {}
         self._closed = False
         if not self.client_mode:
             p2p.register(PING, self._rpc_ping)
@@ -445,7 +448,7 @@ class DHTNode:
             if not isinstance(digest, bytes) or len(digest) < ID_BYTES:
                 continue
             node_id = int.from_bytes(digest[:ID_BYTES], "big")
-            if node_id == self.node_id or node_id in search.candidates:
+            if node_id == self.node_id or node_id in search.candidates or self._suspected(node_id):
                 continue
             try:
                 search.candidates[node_id] = Contact.from_wire(raw)
@@ -524,6 +527,7 @@ class DHTNode:
 
     # ---- routing table upkeep ------------------------------------------------------------------
     def _seen(self, contact: Contact) -> None:
+        self._suspects.pop(contact.node_id, None)  # it answered, or called us: alive
         stale = self.routing.add_or_update(contact)
         if stale is not None and stale.node_id not in self._pinging and not self._closed:
             self._pinging.add(stale.node_id)
@@ -539,8 +543,41 @@ class DHTNode:
             self._pinging.discard(stale.node_id)
 
     def _forget(self, contact: Contact, reason: Exception) -> None:
+        """Drop a contact whose call failed, and leave it out of lookups for ``suspect_for`` even when
+        other peers' answers still list it: a stopped process (SIGSTOP, a frozen VM) keeps its socket
+        open, so each call to it waits out the whole timeout, and every lookup that asked it again would
+        hold up the records written through it (a peer's progress would look dead to the others)."""
         logger.debug("dropping contact %s: %s", contact.peer_id, reason)
         self.routing.remove(contact.node_id)
+        if self.suspect_for > 0:
+            self._suspects[contact.node_id] = (time.monotonic() + self.suspect_for, contact)
+
+    def _suspected(self, node_id: int) -> bool:
+        entry = self._suspects.get(node_id)
+        if entry is None:
+            return False
+        if entry[0] <= time.monotonic():
+            del self._suspects[node_id]
+            return False
+        return True
+
+    def known_address(self, peer_id: PeerID) -> PeerAddress | None:
+        """Where this node last reached ``peer_id`` (its routing table, else the suspects), if anywhere."""
+        node_id = node_id_of(peer_id)
+        contact = self.routing.get(node_id) or self._suspects.get(node_id, (0.0, None))[1]
+        return None if contact is None else contact.address
+
+    async def answers(self, peer_id: PeerID, timeout: float) -> bool:
+        """Whether ``peer_id`` answers a ping now: direct evidence it is alive, where its records in
+        the DHT may only be late.  A peer we know no address of counts as not answering."""
+        address = self.known_address(peer_id)
+        target: PeerAddress | PeerID = peer_id if address is None else address
+        try:
+            await self.p2p.call(target, PING, {"a": self._announce}, timeout=timeout)
+        except P2PError as e:
+            logger.debug("%s does not answer: %s", peer_id, e)
+            return False
+        return True
 
     def _learn_sender(self, ctx: CallContext, announced: object) -> None:
         if ctx.remote_client_mode or not isinstance(announced, str):

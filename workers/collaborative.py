@@ -28,7 +28,7 @@ import torch
 
 from averaging import Codec, DecentralizedAverager, StepResult
 from dht import DHT, DHTNode, SignatureValidator
-from p2p import P2PError
+from p2p import P2PError, PeerID
 
 from .progress import GlobalProgress, PeerProgress, ProgressTracker
 from .state import StateSharer, StateUnavailable
@@ -95,6 +95,8 @@ class CollaborativeOptimizer:
         self._downloading = False
         self._alone_not_before = 0.0  # monotonic time before which we never step alone (see _rejoin)
         self._next_reconnect = 0.0  # monotonic time before which we do not try _reconnect_if_isolated again
+        self._silent: dict[PeerID, float] = {}  # peers that did not answer, with the record time they had then
+        self._answering = 0  # how many stale peers answered last time (logged when it changes)
         # held while parameters, optimizer state and epoch change together, and while a donor snapshots
         # them (on another thread): a state served mid-step would label one epoch's parameters with another
         self._state_lock = threading.Lock()
@@ -218,15 +220,18 @@ class CollaborativeOptimizer:
         # of the other would share an epoch with different parameters, and never reconcile.
         alone = progress.live_peers <= 1
         stood_still = 0.0
+        live = progress.live_peers
+        if alone and (answering := self._stale_peers_answering()):
+            alone, live = False, 1 + answering
         if alone:
             result = StepResult(group_size=1)
         else:
-            if progress.live_peers > self.max_group_size:
+            if live > self.max_group_size:
                 logger.warning("epoch %d: %d live peers but groups hold at most %d: the groups will step apart; "
-                               "raise group_size", self.epoch, progress.live_peers, self.max_group_size)
+                               "raise group_size", self.epoch, live, self.max_group_size)
             # wait for every live peer, including one whose record still shows the previous epoch
             # (it is about to report this one); the matchmaking time bounds the wait for a dead one
-            result, stood_still = self._call(lambda n: self._average(progress.live_peers))
+            result, stood_still = self._call(lambda n: self._average(live))
         if not alone and (not result.complete or stood_still > self.tracker.fresh_for):
             # A part whose reducer vanished mid-round holds our own values, not the group's: stepping on
             # it would give us other parameters than the peers that got it back, at the same epoch.
@@ -236,7 +241,7 @@ class CollaborativeOptimizer:
             why = (f" (stood still for {stood_still:.1f} s)" if result.complete else
                    f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "")
             logger.info("epoch %d: could not average with the other %d live peers%s; will load their state",
-                        self.epoch, progress.live_peers - 1, why)
+                        self.epoch, live - 1, why)
             self._restore_accumulated()
             return False
         for p, host in zip(self.params, self.host_buffers, strict=True):
@@ -252,6 +257,40 @@ class CollaborativeOptimizer:
         self._report(force=True)
         self._advertise()
         return True
+
+    def _stale_peers_answering(self) -> int:
+        """How many of the peers whose records went stale still answer a ping.  A record is late when
+        its peer is dead, but also when the DHT is slow to carry it (a lookup waiting out a stopped
+        replica): two live peers that each took the other's late record for its death would both step
+        alone, at the same epochs with other parameters, for good.  A ping is direct evidence; a peer
+        that did not answer is not asked again until it publishes another record."""
+        records: dict[PeerID, float] = {}
+        for subkey, record in self.tracker.records().items():
+            if subkey == self.tracker.subkey:
+                continue
+            try:
+                records[PeerID.from_string(subkey.rsplit("]", 1)[-1])] = record.time
+            except ValueError:
+                continue
+        self._silent = {peer: t for peer, t in self._silent.items() if peer in records}  # expired ones go
+        others = {peer: t for peer, t in records.items() if self._silent.get(peer) != t}
+        if not others:
+            return 0
+        timeout = min(self.dht.node.rpc_timeout, self.tracker.fresh_for / 2)
+
+        async def ping_all(node: DHTNode) -> list[bool]:
+            return list(await asyncio.gather(*(node.answers(peer, timeout) for peer in others)))
+
+        answered = dict(zip(others, self._call(ping_all), strict=True))
+        for peer, alive in answered.items():
+            if not alive:
+                self._silent[peer] = others[peer]
+        count = sum(answered.values())
+        if count and count != self._answering:
+            logger.info("epoch %d: %d peer(s) whose records went stale still answer: averaging with them, "
+                        "not stepping alone", self.epoch, count)
+        self._answering = count
+        return count
 
     async def _average(self, live_peers: int) -> tuple[StepResult, float]:
         """All-reduce this epoch's gradients; give up matchmaking as soon as the others have moved on

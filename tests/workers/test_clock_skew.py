@@ -4,7 +4,6 @@ a clock step of one of them."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -12,7 +11,7 @@ import pytest
 
 from dht import DHTNode, LocalClock, SignatureValidator
 from p2p import Identity
-from workers.peer import TrainingPeer, WorkerConfig
+from tests.workers.two_peers import assert_in_step, two_peers_training
 from workers.progress import PeerProgress, ProgressTracker
 
 
@@ -59,32 +58,11 @@ def test_two_peers_stay_in_step_across_a_clock_step(wait_for, step: float):
     the two keep averaging together, and never hold different parameters at the same epoch."""
     common = dict(task="synthetic", target_batch_size=128, min_peers=2, param_digests=True, device="cpu",
                   run="skew", min_matchmaking_time=1.0, averaging_timeout=10.0)
-    a = TrainingPeer(WorkerConfig(seed=0, **common))
-    b = None
-    threads: list[threading.Thread] = []
-    try:
-        b = TrainingPeer(WorkerConfig(seed=1, initial_peers=[a.address], **common))
-        peers = [a, b]
-        threads = [threading.Thread(target=p.run, name=f"train-{i}", daemon=True) for i, p in enumerate(peers)]
-        for t in threads:
-            t.start()
+    with two_peers_training(**common) as peers:
         wait_for(lambda: min(p.epoch for p in peers) >= 3, 30, "epoch 3 on both peers")
-        b.jump_clock(step)
+        peers[1].jump_clock(step)
         jumped_at = max(p.epoch for p in peers)
         wait_for(lambda: min(p.epoch for p in peers) >= jumped_at + 6, 30, "six more epochs on both peers")
-        leaving_at = min(p.epoch for p in peers)  # the first to leave leaves the other alone: not counted
-    finally:
-        leaving = [threading.Thread(target=p.prepare_to_leave, kwargs={"deadline": 10.0})
-                   for p in (a, b) if p is not None]
-        for t in leaving:
-            t.start()
-        for t in [*leaving, *threads]:
-            t.join(timeout=30)
-    digests = [{r["epoch"]: r["params"] for r in p.history} for p in (a, b)]
-    shared = sorted(set(digests[0]) & set(digests[1]))
-    assert len(shared) >= 6
-    for epoch in shared:
-        assert digests[0][epoch] == digests[1][epoch], f"different parameters at epoch {epoch}"
-    for p in (a, b):  # every step after the step of b's clock was taken together, none alone
-        sizes = [(r.epoch, r.group_size) for r in p.optimizer.history if jumped_at < r.epoch < leaving_at]
-        assert sizes and min(s for _, s in sizes) == 2, (jumped_at, sizes)
+        leaving_at = min(p.epoch for p in peers)
+    # every step after the step of b's clock was taken together, none alone
+    assert_in_step(peers, after=jumped_at, before=leaving_at, at_least=6)

@@ -64,8 +64,14 @@ def test_a_paused_peer_catches_up_by_loading_state(worker_swarm):
     paused_at = sleeper.latest_epoch()
     sleeper.signal(signal.SIGSTOP)
     awake = [w for w in peers if w is not sleeper]
-    worker_swarm.wait(lambda: min(w.latest_epoch() for w in awake) >= paused_at + 4, 120, "others moving on")
+    worker_swarm.wait(lambda: min(w.latest_epoch() for w in awake) >= paused_at + 40, 120, "others moving on")
     sleeper.signal(signal.SIGCONT)
+    # while it slept, every DHT call that asked it waited out its timeout: the two awake peers must not
+    # take that slowness for each other's death and each step alone (the same epochs, other parameters)
+    during = set(awake[0].epochs()).intersection(awake[1].epochs()) - set(range(paused_at + 1))
+    assert during and all(same_params(awake, e) for e in during), \
+        [(e, awake[0].epochs()[e]["peers"], awake[1].epochs()[e]["peers"]) for e in sorted(during)
+         if not same_params(awake, e)][:10]
     worker_swarm.wait(lambda: "loaded state of epoch" in sleeper.stderr(), 60, "the sleeper loading state")
     resumed = max(w.latest_epoch() for w in awake)
     # every peer, not only the sleeper: an epoch here takes milliseconds, and a peer stopped before it
