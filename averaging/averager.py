@@ -22,6 +22,7 @@ from p2p.codecs import Codec
 from p2p.node import CallContext
 
 from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
+from .bandwidth import BandwidthMeter
 from .matchmaking import Matchmaker
 from .partition import FlatTensors
 
@@ -76,7 +77,7 @@ class DecentralizedAverager:
                  target_group_size: int = 8, min_group_size: int = 2, min_matchmaking_time: float = 1.0,
                  request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
                  compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 16, window: int = 6,
-                 bandwidth: float = 100.0, poll_interval: float = 0.05, max_weight: float = DEFAULT_MAX_WEIGHT,
+                 bandwidth: float | None = None, poll_interval: float = 0.05, max_weight: float = DEFAULT_MAX_WEIGHT,
                  norm_ratio: float | None = DEFAULT_NORM_RATIO) -> None:
         if "." in prefix or not prefix:
             raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
@@ -98,15 +99,25 @@ class DecentralizedAverager:
         self.sender_timeout = sender_timeout
         self.request_timeout = request_timeout
         self.min_matchmaking_time = min_matchmaking_time
+        if bandwidth is not None and not 0 < bandwidth < float("inf"):
+            raise ValueError(f"bandwidth must be a positive number of Mbit/s or None (measured), got {bandwidth!r}")
+        # None: measured from our own rounds (see averaging/bandwidth.py); a number: declared as given
+        self.meter = BandwidthMeter() if bandwidth is None else None
         self.matchmaker = Matchmaker(node, prefix, self.flat.schema, self.flat.schema_hash, self.flat.numel,
                                      target_group_size=target_group_size, min_group_size=min_group_size,
                                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
-                                     bandwidth=bandwidth, poll_interval=poll_interval)
+                                     bandwidth=self.bandwidth if bandwidth is None else bandwidth,
+                                     poll_interval=poll_interval)
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
         self._lock = asyncio.Lock()
         self.phase = "idle"  # or matchmaking / all-reduce: where a fault that hits this peer now lands
         node.p2p.register(self.method, self._rpc_allreduce, CallKind.BIDI)
+
+    @property
+    def bandwidth(self) -> float:
+        """Mbit/s this peer declares in matchmaking: measured, or as configured."""
+        return self.meter.estimate if self.meter is not None else self.matchmaker.bandwidth
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -145,6 +156,8 @@ class DecentralizedAverager:
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.phase = "matchmaking"
+        if self.meter is not None:
+            self.matchmaker.declare_bandwidth(self.meter.estimate)
         mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
         total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
         deadline = started + total
@@ -160,10 +173,15 @@ class DecentralizedAverager:
         future = self._rounds.setdefault(group.group_id, loop.create_future())
         if not future.done():
             future.set_result(round_)
+        others = [peer for i, peer in enumerate(group.peer_ids) if i != group.my_index]
+        watching = asyncio.ensure_future(self.meter.watch(self.node.p2p, others)) if self.meter else None
         try:
             outcome = await round_.run(min(matched + self.allreduce_timeout, max(deadline, matched + 1e-3)))
         finally:
             self._rounds.pop(group.group_id, None)
+            if watching is not None:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
         return StepResult(
             group_size=group.size,
             failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],

@@ -80,12 +80,18 @@ class Matchmaker:
         self.min_group_size = min_group_size
         self.min_matchmaking_time = min_matchmaking_time
         self.request_timeout = request_timeout
-        self.bandwidth = 0.0 if self.p2p.client_mode else bandwidth
+        self.bandwidth = 0.0
+        self.declare_bandwidth(bandwidth)
         self.poll_interval = poll_interval
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
         self._background: set[asyncio.Task] = set()
         self.p2p.register(self.method, self._rpc_join)
+
+    def declare_bandwidth(self, mbit: float) -> None:
+        """What the next declarations say for the load-balancing LP; a client-mode peer always says 0
+        (it cannot accept connections, so it reduces nothing)."""
+        self.bandwidth = 0.0 if self.p2p.client_mode else float(mbit)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -142,11 +142,12 @@ async def main(args: argparse.Namespace) -> None:
     try:
         while True:
             cmd = await command()
-            if cmd[0] == "avg":  # avg <prefix> <group size> <bandwidth>: a fresh averager on this node
+            if cmd[0] == "avg":  # avg <prefix> <group size> <Mbit/s | measured>: a fresh averager on this node
                 if averager is not None:
                     await averager.shutdown()
                 averager = DecentralizedAverager(
-                    [tensor], node, cmd[1], target_group_size=int(cmd[2]), bandwidth=float(cmd[3]),
+                    [tensor], node, cmd[1], target_group_size=int(cmd[2]),
+                    bandwidth=None if cmd[3] == "measured" else float(cmd[3]),
                     min_matchmaking_time=args.min_matchmaking_time, allreduce_timeout=args.allreduce_timeout,
                     **({"chunk_size": args.chunk_size} if args.chunk_size else {}),
                     **({"window": args.window} if args.window else {}))
@@ -168,7 +169,8 @@ async def main(args: argparse.Namespace) -> None:
                       "failed": len(result.failed_peers), "matchmaking_time": result.matchmaking_time,
                       "allreduce_time": result.allreduce_time, "part_sizes": result.part_sizes,
                       "my_index": result.my_index, "bytes_sent": result.bytes_sent,
-                      "bytes_received": result.bytes_received, **describe(tensor, idx),
+                      "bytes_received": result.bytes_received, "bandwidth": averager.bandwidth,
+                      **describe(tensor, idx),
                       **({"diag": {**{k: [round(x, 4) for x in v] for k, v in DIAG.items()},
                                    **(WATCH.take() if WATCH is not None else {})}} if args.diag else {})})
                 DIAG.clear()

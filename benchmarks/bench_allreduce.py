@@ -11,7 +11,10 @@ Part 2, shaped links: every peer in its own network namespace (``arbench-*``, 10
 and removed by this script), joined by a bridge in another one, its egress and ingress shaped with
 tbf to its bandwidth; measured rounds are compared with the bandwidth-optimal bound of the
 load-balancing LP (``averaging.load_balancing.optimal_shares``), and so is a raw-socket exchange
-of the same parts.  Needs root and iproute2; otherwise it prints "skipped: <reason>".
+of the same parts.  Three cases: equal links, mixed links with every peer told its bandwidth, and
+the same mixed links with none told (each measures its own, the default: ``averaging/bandwidth.py``;
+its figure is the median of the rounds after the first, which splits by the default and measures).
+Needs root and iproute2; otherwise it prints "skipped: <reason>".
 
 ``--vs-hivemind``: the same Part 1 rounds with the reference library's averager
 (``_allreduce_hivemind_peer.py``, run by ``.bench-venv/bin/python`` from ``make bench-env``).
@@ -184,7 +187,7 @@ class PeerSet:
             if self.impl == "ours":
                 deadline = time.monotonic() + 30
                 for k, c in enumerate(peers):
-                    c.send(f"avg {prefix} {n} {bandwidths[k] if bandwidths else 100.0}")
+                    c.send(f"avg {prefix} {n} {bandwidths[k] if bandwidths else 'measured'}")
                 for c in peers:
                     c.recv("avg_ready", deadline)
             pids = [c.proc.pid for c in peers]
@@ -209,7 +212,7 @@ class PeerSet:
                     "round": max(r["t_end"] for r in post) - min(r["t_start"] for r in post),
                     "cpu": sum(r.get("cpu_s") or 0.0 for r in post),
                     "peers": [{k: r.get(k) for k in ("t_start", "t_end", "matchmaking_time", "allreduce_time",
-                                                      "my_index", "diag")} for r in post],
+                                                      "my_index", "diag", "bandwidth")} for r in post],
                 })
                 run.errors.extend(f"round {rnd}: {p}" for p in problems)
                 for k, c in enumerate(peers):  # what the peers said about it (warnings, tracebacks)
@@ -385,9 +388,11 @@ def shape_links(names: Sequence[str], rates_mbit: Sequence[float]) -> None:
         _sh("ip", "netns", "exec", f"{NS}hub", "tc", "qdisc", "replace", "dev", f"h{i}", *shape)
 
 
-SHAPED_CASES = [  # label, link rates (Mbit/s), whether the last peer is in client mode
-    ("equal", [100.0, 100.0, 100.0, 100.0], False),
-    ("mixed", [200.0, 100.0, 50.0, 100.0], True),
+SHAPED_CASES = [  # label, link rates (Mbit/s), whether the last peer is in client mode, whether the
+    # peers are told their links (else each measures its own: the default, averaging/bandwidth.py)
+    ("equal", [100.0, 100.0, 100.0, 100.0], False, True),
+    ("mixed", [200.0, 100.0, 50.0, 100.0], True, True),
+    ("measured", [200.0, 100.0, 50.0, 100.0], True, False),
 ]
 
 
@@ -404,7 +409,7 @@ def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float]) 
         peers = PeerSet("ours", 5, size, namespaces=[*names, names[3]], hosts=[*hosts, hosts[3]], clients=(4,),
                         round_timeout=60)
         stages["shaped start"] = time.monotonic() - t0
-        for label, links, last_is_client in SHAPED_CASES:
+        for label, links, last_is_client, told in SHAPED_CASES:
             t0 = time.monotonic()
             shape_links(names, links)
             clients = [3] if last_is_client else []
@@ -415,13 +420,21 @@ def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float]) 
             per_element = max([per_element] + [1.0 / links[i] for i in clients])
             bound = per_element * size * 4 * 8 / 1e6  # T/P is in 1/(Mbit/s): P elements * 32 bit
             members = [0, 1, 2, 4] if last_is_client else [0, 1, 2, 3]
-            run = peers.run(members, rounds, prefix=f"s{label}", bandwidths=links)
+            # measured: the first round splits by the default bandwidth and measures; the figure is the
+            # median of the rounds after it
+            run = peers.run(members, rounds if told else rounds + 1, prefix=f"s{label}",
+                            bandwidths=links if told else None)
             # the LP's bound assumes a reducer can return each averaged byte as soon as it arrived: the
             # raw run sends all-gather bytes without waiting, the pure transport's time for these parts
             raw = run_raw(part_sizes(size, shares), raw_reps, namespaces=names, hosts=hosts, clients=clients,
                           overlap=True)
-            measured = run.median("ar")
+            settled = run.rounds if told else run.rounds[1:]
+            times = [r["ar"] for r in settled if r["ok"]]
+            measured = statistics.median(times) if times else None
+            declared = [p.get("bandwidth") for p in run.rounds[-1]["peers"]] if run.rounds else []
             results.append({"label": label, "links": list(links), "clients": clients, "bound_s": bound,
+                            "told": told, "declared": declared,
+                            "first_round_s": None if told or not run.rounds else run.rounds[0]["ar"],
                             "shares": [float(x) for x in shares], "run": run, "raw": raw,
                             "measured_s": measured, "fraction": bound / measured if measured else None,
                             "raw_fraction": bound / raw["s"] if raw["s"] else None})
@@ -615,12 +628,12 @@ def run_part2(args: argparse.Namespace, stages: dict[str, float]) -> tuple[int, 
 def print_shaped(size: int, rounds: int, cases: list[dict]) -> None:
     print(f"Part 2: shaped links (tbf on each peer's egress and ingress; {size // M}M float32, "
           f"median of {rounds} rounds; bound = load-balancing LP's optimum)")
-    print(f"{'case':<7}{'links Mbit/s':<22}{'LP shares':<28}{'bound s':>8}{'ours s':>8}{'bound/ours':>11}"
+    print(f"{'case':<9}{'links Mbit/s':<22}{'LP shares':<28}{'bound s':>8}{'ours s':>8}{'bound/ours':>11}"
           f"{'raw s':>7}{'bound/raw':>10}  correct")
     for c in cases:
         links = "/".join(f"{b:g}{'c' if i in c['clients'] else ''}" for i, b in enumerate(c["links"]))
         shares = "/".join(f"{x:.3f}" for x in c["shares"])
-        print(f"{c['label']:<7}{links:<22}{shares:<28}{c['bound_s']:>8.3f}{fmt(c['measured_s']):>8}"
+        print(f"{c['label']:<9}{links:<22}{shares:<28}{c['bound_s']:>8.3f}{fmt(c['measured_s']):>8}"
               f"{fmt(c['fraction'], '.3f'):>11}{fmt(c['raw']['s']):>7}{fmt(c['raw_fraction'], '.3f'):>10}"
               f"  {'yes' if c['run'].all_correct else 'NO'}")
         print_errors(c["run"])
@@ -628,12 +641,16 @@ def print_shaped(size: int, rounds: int, cases: list[dict]) -> None:
             print(f"  !! raw {c['label']}: {e}")
         if c["run"].part_sizes:
             print(f"       parts used by the group (leader first): {c['run'].part_sizes}")
+        if not c["told"]:
+            declared = "/".join(fmt(b, ".0f") for b in c["declared"])
+            print(f"       no bandwidths configured: the peers measured {declared} Mbit/s (in group order); "
+                  f"the first round, split by the default 100 each, took {fmt(c['first_round_s'])} s")
     print("'c' = client-mode peer (reduces nothing; its own link still carries its whole vector both ways)."
           "  target: bound/ours >= 0.9")
 
 
 def shaped_figures(cases: list[dict]) -> dict:
-    figures: dict = {f"shaped_fraction_of_bound_{label}": None for label in ("equal", "mixed")}
+    figures: dict = {f"shaped_fraction_of_bound_{label}": None for label in ("equal", "mixed", "measured")}
     figures["shaped_fraction_of_bound"] = None
     for c in cases:
         ok = c["run"].all_correct
@@ -641,6 +658,8 @@ def shaped_figures(cases: list[dict]) -> dict:
         figures[f"shaped_bound_s_{c['label']}"] = c["bound_s"]
         figures[f"shaped_s_{c['label']}"] = c["measured_s"] if ok else None
         figures[f"shaped_raw_fraction_of_bound_{c['label']}"] = c["raw_fraction"]
+        if not c["told"]:
+            figures[f"shaped_declared_mbit_{c['label']}"] = c["declared"]
     figures["shaped_fraction_of_bound"] = figures["shaped_fraction_of_bound_mixed"]
     return figures
 

@@ -243,6 +243,8 @@ class NodeType(_Strict):
     on_demand_price_per_hour: float = pydantic.Field(1.0, ge=0)
     spot_price_per_hour: dict[str, float] = {}  # by zone; missing zones use 0.3 x on-demand
     preemption: PreemptionModel = PreemptionModel()
+    # Mbit/s its instances declare for the all-reduce's load balancing; unset, each measures its own
+    bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False)
 
     @pydantic.model_validator(mode="after")
     def _min_le_max(self) -> NodeType:
@@ -452,8 +454,11 @@ class ClusterConfig(_Strict):
     def uses_experts(self) -> bool:
         return any(nt.role == "experts" for nt in self.fleet_types().values())
 
-    def worker_config(self, initial_peers: list[str], **extra: Any) -> WorkerConfig:
+    def worker_config(self, initial_peers: list[str], node_type: str | None = None, **extra: Any) -> WorkerConfig:
+        """A trainer's settings; ``node_type`` adds what its instances' type says (their bandwidth)."""
         t = self.training
+        if node_type is not None:
+            extra = {"bandwidth": self.available_node_types[node_type].bandwidth, **extra}
         options = {**(self.experts.task_options() if t.task in MOE_TASKS else {}), **t.task_options}
         if options:
             extra = {"task_options": options, **extra}

@@ -184,7 +184,7 @@ class SupervisorCore:
         if self.config.role(node_type) == "experts":
             return {"role": "experts", **self.config.expert_host_config([self.address], host=self.config.listen_host(),
                                                                          announce_host=net.announce_host)}
-        return self.config.worker_config([self.address], host=self.config.listen_host(),
+        return self.config.worker_config([self.address], node_type=node_type, host=self.config.listen_host(),
                                          announce_host=net.announce_host).model_dump()
 
     def _boot_script(self, spec: LaunchSpec) -> str | None:

@@ -20,6 +20,7 @@ from .errors import PeerUnreachable, RemoteError, RPCTimeout
 from .identity import Identity, PeerID
 from .limits import Limits
 from .membership import Certificate, Membership
+from .tcp_info import TcpInfo, read_tcp_info
 from .throttle import Throttle, check_rate
 from .wire import EncodeError, Encoder, FrameBudget
 
@@ -525,6 +526,14 @@ class P2P:
 
     def connected_peers(self) -> list[PeerID]:
         return list(self._by_peer)
+
+    def tcp_info(self, peer_id: PeerID) -> TcpInfo | None:
+        """The kernel's view of the pooled connection to ``peer_id`` (its delivery rate: the path's
+        bottleneck rate while data flows), None if not connected or the platform has no ``TCP_INFO``."""
+        conn = self._by_peer.get(peer_id)
+        if conn is None or conn.transport is None or conn.closed:
+            return None
+        return read_tcp_info(conn.transport.get_extra_info("socket"))
 
     def peer_certificate(self, peer_id: PeerID) -> Certificate | None:
         """The membership certificate a connected peer presented last (None: not connected, or open mode)."""

@@ -71,7 +71,7 @@ class CollaborativeOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, target_batch_size: int, *,
                  scheduler: Any = None, compression: str | Codec = Codec.NONE, min_matchmaking_time: float = 2.0,
                  averaging_timeout: float = 30.0, report_interval: float = 0.1, load_state_on_start: bool = True,
-                 max_group_size: int = 256) -> None:
+                 max_group_size: int = 256, bandwidth: float | None = None) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dht = dht
@@ -106,7 +106,8 @@ class CollaborativeOptimizer:
         async def build(node: DHTNode) -> tuple[DecentralizedAverager, ProgressTracker, StateSharer]:
             averager = DecentralizedAverager(grads, node, f"{run}_grad", target_group_size=max_group_size,
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
-                                             allreduce_timeout=averaging_timeout, compression=compression)
+                                             allreduce_timeout=averaging_timeout, compression=compression,
+                                             bandwidth=bandwidth)
             tracker = ProgressTracker(node, run, target_batch_size, signer)
             await tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock)

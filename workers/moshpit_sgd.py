@@ -21,7 +21,7 @@ class MoshpitSGD:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, *, grid: Sequence[int],
                  averaging_period: int = 10, min_matchmaking_time: float = 0.5, request_timeout: float = 1.0,
                  averaging_timeout: float = 30.0, compression: str | Codec = Codec.NONE,
-                 max_group_size: int | None = None) -> None:
+                 max_group_size: int | None = None, bandwidth: float | None = None) -> None:
         self.optimizer = optimizer
         self.dht = dht
         self.averaging_period = averaging_period
@@ -42,7 +42,8 @@ class MoshpitSGD:
             # short matchmaking: a peer alone on its grid key should get back to training quickly
             averager = MoshpitAverager(copies, node, f"{run}_params", grid=grid, target_group_size=target_group_size,
                                        min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
-                                       allreduce_timeout=averaging_timeout, compression=compression)
+                                       allreduce_timeout=averaging_timeout, compression=compression,
+                                       bandwidth=bandwidth)
             # progress is published as in collaborative runs, for start-up and for the orchestrator
             return averager, ProgressTracker(node, run, 1, signer)
 

@@ -53,6 +53,8 @@ class WorkerConfig(pydantic.BaseModel):
         "none", description="gradient codec")
     min_matchmaking_time: float = pydantic.Field(2.0, gt=0, description="seconds to gather an averaging group")
     averaging_timeout: float = pydantic.Field(30.0, gt=0, description="seconds an averaging round may take")
+    bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                             description="Mbit/s to declare for load balancing (default: measured)")
     moshpit_grid: list[int] = pydantic.Field([2, 2], description="Moshpit grid (mode moshpit)")
     group_size: int = pydantic.Field(
         16, ge=2, description="moshpit: the largest averaging group (also at most max(moshpit_grid))")
@@ -122,12 +124,12 @@ class TrainingPeer:
             self.optimizer = CollaborativeOptimizer(
                 optimizer, self.dht, config.run, config.target_batch_size, scheduler=scheduler,
                 compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
-                averaging_timeout=config.averaging_timeout)
+                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth)
         else:
             self.optimizer = MoshpitSGD(optimizer, self.dht, config.run, grid=config.moshpit_grid,
                                         averaging_period=config.averaging_period,
                                         averaging_timeout=config.averaging_timeout, compression=config.compression,
-                                        max_group_size=config.group_size)
+                                        max_group_size=config.group_size, bandwidth=config.bandwidth)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._leave_at: float | None = None  # monotonic time by which a noticed peer stops training

@@ -261,6 +261,22 @@ def test_group_size_reaches_the_workers(tmp_path):
     assert default.worker_config([]).group_size == 16
 
 
+# ---- available_node_types.<type>.bandwidth ------------------------------------------------------
+def test_a_node_types_bandwidth_reaches_its_workers_and_unset_means_measured(tmp_path):
+    text = GOOD.replace("    max_workers: 2\n", "    max_workers: 2\n    bandwidth: 50\n  big:\n    max_workers: 1\n")
+    config = load_cluster_config(write(tmp_path, text))
+    assert config.worker_config(["127.0.0.1:1"], node_type="small").bandwidth == 50.0
+    assert config.worker_config(["127.0.0.1:1"], node_type="big").bandwidth is None  # each measures its own
+    assert config.worker_config([]).bandwidth is None
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "fast", ".inf"])
+def test_a_bad_bandwidth_names_the_node_type_and_the_field(tmp_path, value):
+    path = write(tmp_path, GOOD.replace("    max_workers: 2\n", f"    max_workers: 2\n    bandwidth: {value}\n"))
+    errors = errors_of(path)
+    assert any("available_node_types.small.bandwidth" in e for e in errors), errors
+
+
 def test_group_size_is_a_worker_flag():
     from orchestrator.cli import build_parser
     from orchestrator.worker_cli import FLAGS

@@ -1,0 +1,80 @@
+"""A peer's bandwidth for DeDLOC's load balancing, measured from its own all-reduce traffic.
+
+Every member declares a bandwidth in matchmaking, and the leader splits the vector by the
+load-balancing LP over the declared values.  A guessed constant splits equally whatever the links
+are; a peer on a slow link then reduces as much as the others, and every round waits for it.
+
+While a round runs, ``BandwidthMeter`` reads the kernel's delivery-rate samples of the
+connections to the group (``p2p.tcp_info``) every ``interval``, keeping those taken while data
+flowed (bytes acknowledged since the last read) and not application-limited.  A connection's
+figure is the median of its samples (a shaper's bucket lets short bursts through at line rate: the
+largest samples overstate the link); the round's figure is the best connection's.  A connection's
+rate is the slower of our uplink and the receiver's downlink, so the best one over the group is
+our uplink unless every receiver is slower
+(an underestimate the LP forgives: it needs to know who is slow, not by how much the fast ones are
+fast).  The estimate is the median of the last ``window`` rounds' figures, capped at ``ceiling``:
+beyond about a gigabit per second a peer's CPU, not its link, bounds its part of a Python
+all-reduce, and near-equal fast links should split equally rather than by measurement noise.
+Until a round gave a figure, the estimate is ``default``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+from p2p import P2P, PeerID
+
+BITS_PER_MBIT = 1e6
+
+
+class BandwidthMeter:
+    def __init__(self, default: float = 100.0, *, ceiling: float = 1000.0, window: int = 5,
+                 interval: float = 0.05) -> None:
+        if not 0 < default <= ceiling:
+            raise ValueError(f"default bandwidth must be in (0, ceiling={ceiling:g}] Mbit/s, got {default!r}")
+        self.default = default
+        self.ceiling = ceiling
+        self.interval = interval
+        self._rounds: deque[float] = deque(maxlen=window)
+
+    @property
+    def estimate(self) -> float:
+        """Mbit/s to declare: the median of the recent rounds' figures, ``default`` before any."""
+        if not self._rounds:
+            return self.default
+        return min(statistics.median(self._rounds), self.ceiling)
+
+    @property
+    def rounds(self) -> list[float]:
+        """The recent rounds' figures (Mbit/s), oldest first."""
+        return list(self._rounds)
+
+    def add(self, mbit: float) -> None:
+        """One round's figure (Mbit/s); a figure that is not a positive finite number is ignored."""
+        if 0 < mbit < float("inf"):
+            self._rounds.append(float(mbit))
+
+    async def watch(self, p2p: P2P, peers: Sequence[PeerID]) -> None:
+        """Sample the connections to ``peers`` until cancelled (the round ended), then add the
+        round's figure.  Owned by the averager's step: started with the round, cancelled and
+        awaited after it."""
+        acked: dict[PeerID, int] = {}
+        samples: dict[PeerID, list[int]] = {peer: [] for peer in peers}
+        try:
+            while True:
+                for peer in peers:
+                    info = p2p.tcp_info(peer)
+                    if info is None:
+                        continue
+                    flowed = peer in acked and info.bytes_acked > acked[peer]
+                    acked[peer] = info.bytes_acked
+                    if flowed and not info.app_limited and info.delivery_rate > 0:
+                        samples[peer].append(info.delivery_rate)
+                await asyncio.sleep(self.interval)
+        finally:
+            figures = [statistics.median(s) for s in samples.values() if s]
+            if figures:
+                self.add(max(figures) * 8 / BITS_PER_MBIT)

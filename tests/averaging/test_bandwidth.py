@@ -1,0 +1,149 @@
+"""Measured bandwidth: the kernel's delivery rate read on real sockets, and two averaging peers on
+links shaped with tc (each in its own network namespace, joined by a veth pair) that each declare
+the rate of their own link, told nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from averaging.bandwidth import BandwidthMeter
+from p2p.tcp_info import read_tcp_info
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_the_kernel_reports_what_a_connection_carried():
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    got = bytearray()
+    reader = threading.Thread(target=lambda: [got.extend(b) for b in iter(lambda: receiver.recv(1 << 20), b"")])
+    reader.start()
+    try:
+        sender.sendall(b"x" * (4 << 20))
+        sender.shutdown(socket.SHUT_WR)
+        reader.join(timeout=10)
+        assert len(got) == 4 << 20
+        sent, received = read_tcp_info(sender), read_tcp_info(receiver)
+        assert sent is not None and received is not None
+        assert sent.bytes_acked >= 4 << 20  # the SYN and FIN count too
+        assert 4 << 20 <= received.bytes_received <= (4 << 20) + 1  # and the FIN
+        assert sent.delivery_rate > 0 and sent.rtt_us > 0
+    finally:
+        for s in (sender, receiver, server):
+            s.close()
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        assert read_tcp_info(udp) is None  # not TCP: nothing to say
+    finally:
+        udp.close()
+
+
+def test_the_estimate_is_the_median_of_recent_rounds_capped():
+    meter = BandwidthMeter(default=100.0, ceiling=1000.0, window=3)
+    assert meter.estimate == 100.0  # nothing measured yet
+    for figure in (40.0, float("nan"), 0.0, -5.0, float("inf")):
+        meter.add(figure)  # only the first is a figure
+    assert meter.rounds == [40.0]
+    meter.add(60.0)
+    meter.add(500.0)
+    assert meter.estimate == 60.0  # one odd round does not move it
+    meter.add(5000.0)
+    meter.add(8000.0)  # the oldest rounds leave the window
+    assert meter.rounds == [500.0, 5000.0, 8000.0] and meter.estimate == 1000.0  # a CPU-bound link
+    with pytest.raises(ValueError, match="default bandwidth"):
+        BandwidthMeter(default=0.0)
+
+
+PEER = """
+import asyncio, json, sys, torch
+from averaging import DecentralizedAverager
+from dht import DHTNode
+
+async def main(host, bootstrap):
+    node = await DHTNode.create([bootstrap] if bootstrap != '-' else [], host=host)
+    print(json.dumps({"addr": str(node.address)}), flush=True)
+    averager = DecentralizedAverager([torch.ones(1 << 21)], node, "bw", target_group_size=2,
+                                     min_matchmaking_time=1.0, allreduce_timeout=60.0)
+    figures = []
+    for _ in range(3):
+        result = await averager.step(timeout=90.0)
+        figures.append({"group": result.group_size, "declared": averager.bandwidth})
+    print(json.dumps({"rounds": figures, "measured": averager.meter.rounds}), flush=True)
+    await asyncio.sleep(1.0)  # the other peer's last round may still read from us
+    await averager.shutdown()
+    await node.shutdown()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True, timeout=15)
+
+
+@pytest.fixture
+def two_shaped_links():
+    """Namespaces a (10.88.0.1, sending at 20 Mbit/s) and b (10.88.0.2, at 80 Mbit/s), one veth pair."""
+    tag = uuid.uuid4().hex[:6]
+    names = [f"ssw-bw-a-{tag}", f"ssw-bw-b-{tag}"]
+    for name in names:
+        sh("ip", "netns", "add", name)
+    try:
+        sh("ip", "-n", names[0], "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", names[1])
+        for i, (name, rate) in enumerate(zip(names, (20, 80), strict=True)):
+            sh("ip", "-n", name, "addr", "add", f"10.88.0.{i + 1}/24", "dev", "eth0")
+            sh("ip", "-n", name, "link", "set", "eth0", "up")
+            sh("ip", "-n", name, "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", name, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
+               f"{rate}mbit", "burst", "64kb", "latency", "500ms")
+        yield names
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], check=False, timeout=15)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason="network namespaces and tc need root and iproute2")
+def test_peers_told_nothing_declare_the_rates_of_their_own_links(two_shaped_links):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = []
+    try:
+        first = subprocess.Popen(["ip", "netns", "exec", two_shaped_links[0], sys.executable, "-c", PEER,
+                                  "10.88.0.1", "-"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        procs.append(first)
+        address = json.loads(first.stdout.readline())["addr"]
+        second = subprocess.Popen(["ip", "netns", "exec", two_shaped_links[1], sys.executable, "-c", PEER,
+                                   "10.88.0.2", address], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        procs.append(second)
+        second.stdout.readline()
+        results = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+    for result in results:
+        assert [r["group"] for r in result["rounds"]] == [2, 2, 2], result
+        assert result["rounds"][0]["declared"] != 100.0  # measured from the first round on
+    slow, fast = (r["rounds"][-1]["declared"] for r in results)
+    # the slow link is what its sender measures: the shaper's rate, give or take its bucket's bursts
+    assert 0.75 * 20 <= slow <= 1.25 * 20, results
+    # the fast sender gets less than its link: its ACKs come back through the slow peer's full queue
+    # (an RTT of up to the shaper's 500 ms), so its window, not its link, bounds it.  What the load
+    # balancing needs holds: it declares clearly more than the slow one, and no more than its link
+    assert 1.5 * slow <= fast <= 1.25 * 80, results
