@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerID, PeerUnreachable
+from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerID, PeerUnreachable, RemoteError
 from p2p.node import CallContext
 
 from .clock import SwarmClock, local_time
@@ -574,6 +574,8 @@ class DHTNode:
         target: PeerAddress | PeerID = peer_id if address is None else address
         try:
             await self.p2p.call(target, PING, {"a": self._announce}, timeout=timeout)
+        except RemoteError:
+            return True  # it answered, if only to say it serves no DHT (a client-mode peer)
         except P2PError as e:
             logger.debug("%s does not answer: %s", peer_id, e)
             return False

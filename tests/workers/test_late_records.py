@@ -73,6 +73,22 @@ async def test_a_contact_that_timed_out_is_not_asked_again_when_another_peer_lis
         silent.close()
 
 
+@pytest.mark.timeout(30)
+async def test_a_client_mode_peer_answers_though_it_serves_no_dht():
+    """Behind NAT it takes no calls but its own connections' (it dialed us), and runs no DHT handlers:
+    the error it answers with is an answer all the same."""
+    node = await DHTNode.create([], clock_sample_interval=0)
+    client = await DHTNode.create([str(node.address)], client_mode=True, clock_sample_interval=0)
+    try:
+        assert node.known_address(client.peer_id) is None  # nowhere to dial: its own connection only
+        assert await node.answers(client.peer_id, timeout=2.0)
+        await client.shutdown()
+        assert not await node.answers(client.peer_id, timeout=2.0)
+    finally:
+        await client.shutdown()
+        await node.shutdown()
+
+
 def _accepted(listener: socket.socket) -> int:
     """Connections made to ``listener`` since the last call (accepted here, then closed)."""
     listener.setblocking(False)
