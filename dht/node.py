@@ -27,6 +27,8 @@ from .validation import CompositeValidator, DHTRecord, RecordValidator, Signatur
 
 logger = logging.getLogger(__name__)
 
+_MAX_SUSPECTS = 1024  # past this many, the expired ones are dropped
+
 PING, STORE, FIND = "dht.ping", "dht.store", "dht.find"
 _MAX_KEYS_PER_REQUEST = 256
 _RESPONSE_VALUE_BUDGET = 4 << 20  # bytes of values in one find response; the rest answer "not here"
@@ -550,7 +552,10 @@ class DHTNode:
         logger.debug("dropping contact %s: %s", contact.peer_id, reason)
         self.routing.remove(contact.node_id)
         if self.suspect_for > 0:
-            self._suspects[contact.node_id] = (time.monotonic() + self.suspect_for, contact)
+            now = time.monotonic()
+            if len(self._suspects) >= _MAX_SUSPECTS:  # churn: peers that died and never came back
+                self._suspects = {i: entry for i, entry in self._suspects.items() if entry[0] > now}
+            self._suspects[contact.node_id] = (now + self.suspect_for, contact)
 
     def _suspected(self, node_id: int) -> bool:
         entry = self._suspects.get(node_id)

@@ -74,6 +74,17 @@ async def test_a_contact_that_timed_out_is_not_asked_again_when_another_peer_lis
 
 
 @pytest.mark.timeout(30)
+async def test_suspects_of_long_ago_do_not_pile_up():
+    node = await DHTNode.create([], clock_sample_interval=0, suspect_for=1e-6)
+    try:
+        for _ in range(3000):  # churn: peers that timed out once and never came back
+            node._forget(Contact.make(Identity().peer_id, "127.0.0.1", 9), TimeoutError("gone"))
+        assert len(node._suspects) <= 1024
+    finally:
+        await node.shutdown()
+
+
+@pytest.mark.timeout(30)
 async def test_a_client_mode_peer_answers_though_it_serves_no_dht():
     """Behind NAT it takes no calls but its own connections' (it dialed us), and runs no DHT handlers:
     the error it answers with is an answer all the same."""
