@@ -106,7 +106,7 @@ class DecentralizedAverager:
         self.matchmaker = Matchmaker(node, prefix, self.flat.schema, self.flat.schema_hash, self.flat.numel,
                                      target_group_size=target_group_size, min_group_size=min_group_size,
                                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
-                                     bandwidth=self.bandwidth if bandwidth is None else bandwidth,
+                                     bandwidth=self.meter.estimate if self.meter is not None else bandwidth,
                                      poll_interval=poll_interval)
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
@@ -116,8 +116,10 @@ class DecentralizedAverager:
 
     @property
     def bandwidth(self) -> float:
-        """Mbit/s this peer declares in matchmaking: measured, or as configured."""
-        return self.meter.estimate if self.meter is not None else self.matchmaker.bandwidth
+        """Mbit/s this peer declares in its next matchmaking: measured, or as configured; 0 in client mode."""
+        if self.meter is not None:
+            return self.matchmaker.declared(self.meter.estimate)
+        return self.matchmaker.bandwidth
 
     @property
     def tensors(self) -> list[torch.Tensor]:

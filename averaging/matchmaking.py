@@ -89,9 +89,13 @@ class Matchmaker:
         self.p2p.register(self.method, self._rpc_join)
 
     def declare_bandwidth(self, mbit: float) -> None:
-        """What the next declarations say for the load-balancing LP; a client-mode peer always says 0
-        (it cannot accept connections, so it reduces nothing)."""
-        self.bandwidth = 0.0 if self.p2p.client_mode else float(mbit)
+        """What the next declarations say for the load-balancing LP."""
+        self.bandwidth = self.declared(mbit)
+
+    def declared(self, mbit: float) -> float:
+        """What a bandwidth of ``mbit`` is declared as: 0 by a client-mode peer (it cannot accept
+        connections, so it reduces nothing)."""
+        return 0.0 if self.p2p.client_mode else float(mbit)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -18,10 +18,11 @@ from .validation import (
     SignatureValidator,
     ValidationError,
     default_validators,
+    owners_in,
 )
 
 __all__ = [
     "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "KeyRule", "LocalClock", "RecordTooLarge",
     "RecordValidator", "RoutingTable", "SchemaValidator", "SignatureValidator", "SwarmClock", "ValidationError",
-    "ValueWithExpiration", "default_validators", "local_time",
+    "ValueWithExpiration", "default_validators", "local_time", "owners_in",
 ]

@@ -78,14 +78,19 @@ def owner_marker(public_key: bytes) -> str:
     return "[owner:" + base64.urlsafe_b64encode(public_key).decode().rstrip("=") + "]"
 
 
-def _owners(record: DHTRecord) -> list[bytes]:
+def owners_in(*parts: bytes) -> list[bytes]:
+    """The public keys that ``[owner:...]`` markers in ``parts`` (a key, a subkey) claim, each once."""
     found: list[bytes] = []
-    for part in (record.key, record.subkey or b""):
+    for part in parts:
         for match in _MARKER.finditer(part):
             pk = base64.urlsafe_b64decode(match.group(1) + b"=")
             if pk not in found:
                 found.append(pk)
     return found
+
+
+def _owners(record: DHTRecord) -> list[bytes]:
+    return owners_in(record.key, record.subkey or b"")
 
 
 def _signed_payload(record: DHTRecord, value: bytes) -> bytes:

@@ -468,9 +468,13 @@ class ClusterConfig(_Strict):
                             moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
                             param_digests=t.param_digests, **extra)
 
-    def expert_host_config(self, initial_peers: list[str], **extra: Any) -> dict[str, Any]:
-        """An expert server's settings (``workers.expert_host.ExpertHostConfig``'s fields)."""
+    def expert_host_config(self, initial_peers: list[str], node_type: str | None = None,
+                           **extra: Any) -> dict[str, Any]:
+        """An expert server's settings (``workers.expert_host.ExpertHostConfig``'s fields); ``node_type``
+        adds what its instances' type says (their bandwidth)."""
         e = self.experts
+        if node_type is not None:
+            extra = {"bandwidth": self.available_node_types[node_type].bandwidth, **extra}
         return {"run": self.cluster_name, "initial_peers": initial_peers, "device": self.training.device,
                 "experts": {"uid_prefix": e.uid_prefix, "grid": list(e.grid), "kind": e.kind,
                             "hidden_dim": e.hidden_dim, "lr": e.lr},

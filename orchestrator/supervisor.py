@@ -182,7 +182,8 @@ class SupervisorCore:
         """What the worker of a ``node_type`` instance starts with: a trainer's or an expert server's settings."""
         net = self.config.network
         if self.config.role(node_type) == "experts":
-            return {"role": "experts", **self.config.expert_host_config([self.address], host=self.config.listen_host(),
+            return {"role": "experts", **self.config.expert_host_config([self.address], node_type=node_type,
+                                                                         host=self.config.listen_host(),
                                                                          announce_host=net.announce_host)}
         return self.config.worker_config([self.address], node_type=node_type, host=self.config.listen_host(),
                                          announce_host=net.announce_host).model_dump()

@@ -267,12 +267,9 @@ class CollaborativeOptimizer:
         that did not answer is not asked again until it publishes another record."""
         records: dict[PeerID, float] = {}
         for subkey, record in self.tracker.records().items():
-            if subkey == self.tracker.subkey:
-                continue
-            try:
-                records[PeerID.from_string(subkey.rsplit("]", 1)[-1])] = record.time
-            except ValueError:
-                continue
+            peer = self.tracker.peer_of(subkey)
+            if peer is not None and subkey != self.tracker.subkey:
+                records[peer] = record.time
         self._silent = {peer: t for peer, t in self._silent.items() if peer in records}  # expired ones go
         others = {peer: t for peer, t in records.items() if self._silent.get(peer) != t}
         if not others:

@@ -125,6 +125,8 @@ class ExpertHostConfig(pydantic.BaseModel):
     replica_average_every_s: float = pydantic.Field(10.0, ge=0, description="seconds between replica averaging "
                                                     "rounds; 0 disables them")
     averaging_timeout: float = pydantic.Field(10.0, gt=0, description="seconds one replica averaging round may take")
+    bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                             description="Mbit/s to declare for load balancing (default: measured)")
     device: DeviceName = pydantic.Field("auto", description="where the experts live: auto, cpu or cuda")
 
 
@@ -368,7 +370,8 @@ class ExpertHost:
         buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in backend.module.parameters()]
         prefix = f"{self.config.run}_x{backend.uid.replace('.', '_')}"  # a matchmaking key the run's rules accept
         averager = DecentralizedAverager(buffers, self.server.dht, prefix, min_group_size=2,
-                                         min_matchmaking_time=0.5, allreduce_timeout=self.config.averaging_timeout)
+                                         min_matchmaking_time=0.5, allreduce_timeout=self.config.averaging_timeout,
+                                         bandwidth=self.config.bandwidth)
         self._replicas[backend.uid] = _Replica(averager)
 
     async def _stop_replica(self, uid: str) -> None:

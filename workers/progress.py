@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import pydantic
 
-from dht import DHTNode, SignatureValidator
+from dht import DHTNode, SignatureValidator, owners_in
+from p2p import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,19 @@ class ProgressTracker:
     async def global_progress(self) -> GlobalProgress:
         """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
         return self._summarize(await self.peers())
+
+    @staticmethod
+    def peer_of(subkey: str) -> PeerID | None:
+        """The peer a record's subkey (``<owner marker><peer id>``) names, if the key that signs it is
+        that peer's own: a member cannot name another peer (whom we would then ping, see
+        ``CollaborativeOptimizer``)."""
+        marker, _, tail = subkey.rpartition("]")
+        try:
+            peer = PeerID.from_string(tail)
+        except ValueError:
+            return None
+        owners = owners_in((marker + "]").encode())
+        return peer if len(owners) == 1 and PeerID.from_public_key(owners[0]) == peer else None
 
     def records(self) -> dict[str, PeerProgress]:
         """Every peer's last record as the background view holds it (no network)."""

@@ -268,6 +268,7 @@ def test_a_node_types_bandwidth_reaches_its_workers_and_unset_means_measured(tmp
     assert config.worker_config(["127.0.0.1:1"], node_type="small").bandwidth == 50.0
     assert config.worker_config(["127.0.0.1:1"], node_type="big").bandwidth is None  # each measures its own
     assert config.worker_config([]).bandwidth is None
+    assert config.expert_host_config([], node_type="small")["bandwidth"] == 50.0  # an experts type's too
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "fast", ".inf"])

@@ -12,10 +12,11 @@ import socket
 
 import pytest
 
-from dht import DHTNode
+from dht import DHTNode, SignatureValidator
 from dht.routing import Contact
 from p2p import Identity
 from tests.workers.two_peers import assert_in_step, two_peers_training
+from workers.progress import ProgressTracker
 
 
 @pytest.mark.timeout(60)
@@ -71,6 +72,17 @@ async def test_a_contact_that_timed_out_is_not_asked_again_when_another_peer_lis
         await second.shutdown()
         await first.shutdown()
         silent.close()
+
+
+def test_a_progress_record_names_only_its_signers_own_peer():
+    """Whom a stale record makes us ping: a member signing records that name other peers (or junk)
+    gets none of them pinged."""
+    me, other = Identity(), Identity()
+    mine = f"{SignatureValidator(me).marker}{me.peer_id}"
+    assert ProgressTracker.peer_of(mine) == me.peer_id
+    assert ProgressTracker.peer_of(f"{SignatureValidator(me).marker}{other.peer_id}") is None
+    assert ProgressTracker.peer_of(f"{other.peer_id}") is None  # no owner at all
+    assert ProgressTracker.peer_of(f"{SignatureValidator(me).marker}not-a-peer") is None
 
 
 @pytest.mark.timeout(30)
