@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .address import PeerAddress
+from .allocator import keep_freed_buffers
 from .connection import DATA, END, ERROR, OPEN, Connection, Retry, Stream
 from .errors import PeerUnreachable, RemoteError, RPCTimeout
 from .identity import Identity, PeerID
@@ -196,6 +197,7 @@ class P2P:
         address other machines reach it at (its node's IP), never the wildcard.  With
         ``membership=Membership(...)`` (which must hold this peer's certificate) it talks only to
         the run's members."""
+        keep_freed_buffers()
         node = cls(client_mode=client_mode, **kwargs)
         if not client_mode:
             node._server = await node.loop.create_server(
