@@ -44,7 +44,7 @@ import torch
 from p2p import P2P, P2PError, PeerID
 from p2p.codecs import FLOAT32_MAX, BadChunk, Codec, decode, decode_into, encode, norm
 
-from .partition import Chunk, FlatTensors, describe_mismatch, part_bounds
+from .partition import MIN_CHUNK, Chunk, FlatTensors, describe_mismatch, part_bounds, valid_chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ DEFAULT_MAX_WEIGHT = 1e6
 # within a small factor (gradients of differing batches, a loss spike); 100x leaves room for that
 # and limits what one member can add to a chunk to about 100/n times a typical chunk's norm
 DEFAULT_NORM_RATIO = 100.0
+WINDOW_BYTES = 12 << 20  # a sender's unanswered chunks per reducer, in float32 bytes (with 6 of 64K: 1.5 MiB)
 _OWN = -1  # the reducer's own contribution, among the senders' indices
 _MAX_REASON = 200  # characters of a reason reported by another peer that we keep
 
@@ -88,18 +89,23 @@ class GroupInfo:
     part_sizes: list[int]
     weights: list[float]  # as each member declared it when joining; every member checks them
     my_index: int = 0
+    chunk_size: int = MIN_CHUNK  # elements per chunk, the leader's choice: every member cuts alike
 
     def to_wire(self) -> dict:
         return {"g": self.group_id, "p": [p.digest for p in self.peer_ids], "a": self.addresses,
-                "s": self.part_sizes, "w": self.weights}
+                "s": self.part_sizes, "w": self.weights, "c": self.chunk_size}
 
     @classmethod
-    def from_wire(cls, raw: Any, me: PeerID) -> GroupInfo:
+    def from_wire(cls, raw: Any, me: PeerID, default_chunk_size: int = MIN_CHUNK) -> GroupInfo:
+        """``default_chunk_size``: what a leader that names no chunk size (an older release) used."""
         try:
             info = cls(raw["g"], [PeerID(d) for d in raw["p"]], list(raw["a"]), [int(s) for s in raw["s"]],
-                       [claimed_weight(w) for w in raw["w"]])
-        except (KeyError, TypeError, ValueError) as e:
+                       [claimed_weight(w) for w in raw["w"]], chunk_size=raw.get("c", default_chunk_size))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed group description: {e}") from None
+        if not valid_chunk_size(info.chunk_size):
+            raise ValueError(f"malformed group description: chunk size {str(info.chunk_size)[:40]} "
+                             f"is not an integer in [1, {1 << 24}]")
         if not (len(info.peer_ids) == len(info.addresses) == len(info.part_sizes) == len(info.weights)) \
                 or me not in info.peer_ids:
             raise ValueError("group description is inconsistent or does not include this peer")
@@ -119,6 +125,12 @@ class AllReduceOutcome:
     unaveraged: set[int] = field(default_factory=set)
     bytes_sent: int = 0
     bytes_received: int = 0
+
+
+def capped_window(window: int, chunk_size: int) -> int:
+    """``window`` chunks, but at most WINDOW_BYTES of float32 per reducer; never under 2 (one chunk
+    travelling while the next is reduced) unless ``window`` itself is."""
+    return min(window, max(2, WINDOW_BYTES // (4 * chunk_size)))
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -153,6 +165,7 @@ class _Reducer:
         self.pending: list[dict[int, tuple[torch.Tensor, float]]] = [{} for _ in chunks]
         self.done: list[asyncio.Future] = [loop.create_future() for _ in chunks]
         self.encoded: list[dict | None] = [None] * len(chunks)
+        self.served = [0] * len(chunks)  # senders that were sent averaged chunk c
         self.progress: dict[int, float] = {s: time.monotonic() for s in self.expected}
         for chunk in chunks:  # own contribution, in place: this memory becomes the average
             view = flat.flat[chunk.start:chunk.end]
@@ -248,6 +261,16 @@ class _Reducer:
                               f"{reference:.3g} of the other contributions")
         return refused
 
+    def take(self, c: int) -> dict:
+        """Averaged chunk c for one sender; once every expected sender had it, the copy is dropped
+        (a round holds no more than the chunks some sender has yet to receive)."""
+        payload = self.encoded[c]
+        assert payload is not None
+        self.served[c] += 1
+        if self.served[c] >= len(self.expected):
+            self.encoded[c] = None
+        return payload
+
     def overdue(self, now: float) -> list[int]:
         return [s for s in self.expected if s not in self.failed and not self.finished_sending(s)
                 and now - self.progress[s] > self.sender_timeout]
@@ -284,7 +307,7 @@ class AllReduceRound:
         self.codec = codec
         self.chunk_size = chunk_size
         self.sender_timeout = sender_timeout
-        self.window = window
+        self.window = capped_window(window, chunk_size)
         self.bounds = part_bounds(group.part_sizes)
         self.outcome = AllReduceOutcome()
         me = group.my_index
@@ -450,8 +473,7 @@ class AllReduceRound:
                 # shielded: if this sender's call is cancelled (it died), its handler must not take
                 # the shared future down with it; the other senders still wait on it
                 await asyncio.shield(reducer.done[c])
-                payload = reducer.encoded[c]
-                assert payload is not None
+                payload = reducer.take(c)
                 if reducer.failed:
                     payload = {**payload, "x": [[s, why] for s, why in sorted(reducer.failed.items())]}
                 self.outcome.bytes_sent += _payload_bytes(payload)

@@ -24,7 +24,7 @@ from p2p.node import CallContext
 from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
 from .bandwidth import BandwidthMeter
 from .matchmaking import Matchmaker
-from .partition import FlatTensors
+from .partition import FlatTensors, valid_chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,10 @@ class DecentralizedAverager:
     ``max_weight`` bounds the weight a member may declare and ``norm_ratio`` how far a member's
     values may stand above the others' in a chunk (None: no such check); members outside either
     are dropped from the average (see ``allreduce``).  Every member of a run should use the same.
+
+    ``chunk_size`` (elements) is the leader's to choose for its group: None (the default) sizes
+    chunks by the members' declared bandwidths (``partition.auto_chunk_size``); a number fixes it
+    for the groups this peer leads.
     """
 
     round_class: type[AllReduceRound] = AllReduceRound  # the all-reduce this averager runs
@@ -76,7 +80,7 @@ class DecentralizedAverager:
     def __init__(self, tensors: Sequence[torch.Tensor], node: DHTNode, prefix: str, *,
                  target_group_size: int = 8, min_group_size: int = 2, min_matchmaking_time: float = 1.0,
                  request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
-                 compression: str | Codec = Codec.NONE, chunk_size: int = 1 << 16, window: int = 6,
+                 compression: str | Codec = Codec.NONE, chunk_size: int | None = None, window: int = 6,
                  bandwidth: float | None = None, poll_interval: float = 0.05, max_weight: float = DEFAULT_MAX_WEIGHT,
                  norm_ratio: float | None = DEFAULT_NORM_RATIO) -> None:
         if "." in prefix or not prefix:
@@ -91,6 +95,9 @@ class DecentralizedAverager:
         self.prefix = prefix
         self.flat = FlatTensors(tensors)
         self.codec = Codec(compression)
+        if chunk_size is not None and not (valid_chunk_size(chunk_size) and chunk_size > 0):
+            raise ValueError(f"chunk_size must be a positive int up to {1 << 24} or None (chosen per group), "
+                             f"got {chunk_size!r}")
         self.chunk_size = chunk_size
         if window < 1:
             raise ValueError(f"window must be at least one chunk, got {window}")
@@ -107,7 +114,7 @@ class DecentralizedAverager:
                                      target_group_size=target_group_size, min_group_size=min_group_size,
                                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                                      bandwidth=self.meter.estimate if self.meter is not None else bandwidth,
-                                     poll_interval=poll_interval)
+                                     poll_interval=poll_interval, chunk_size=chunk_size)
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
         self._lock = asyncio.Lock()
@@ -170,7 +177,7 @@ class DecentralizedAverager:
             return StepResult(1, matchmaking_time=matched - started)
         self.phase = "all-reduce"
         round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, self.codec,
-                                  self.chunk_size, self.sender_timeout, self.window,
+                                  group.chunk_size, self.sender_timeout, self.window,
                                   max_weight=self.max_weight, norm_ratio=self.norm_ratio)
         future = self._rounds.setdefault(group.group_id, loop.create_future())
         if not future.done():

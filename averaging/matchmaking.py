@@ -22,7 +22,7 @@ from p2p.node import CallContext
 
 from .allreduce import GroupInfo, claimed_weight
 from .load_balancing import load_balanced_parts
-from .partition import describe_mismatch
+from .partition import MIN_CHUNK, auto_chunk_size, describe_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Matchmaker:
     def __init__(self, node: DHTNode, prefix: str, schema: list, schema_hash: str, numel: int, *,
                  target_group_size: int,
                  min_group_size: int, min_matchmaking_time: float, request_timeout: float, bandwidth: float,
-                 poll_interval: float = 0.05) -> None:
+                 poll_interval: float = 0.05, chunk_size: int | None = None) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError(f"need 1 <= min_group_size ({min_group_size}) <= target_group_size ({target_group_size})")
         self.node = node
@@ -83,6 +83,7 @@ class Matchmaker:
         self.bandwidth = 0.0
         self.declare_bandwidth(bandwidth)
         self.poll_interval = poll_interval
+        self.chunk_size = chunk_size  # what groups we lead use; None: chosen from the members' bandwidths
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
         self._background: set[asyncio.Task] = set()
@@ -195,7 +196,7 @@ class Matchmaker:
             await asyncio.sleep(self.poll_interval)  # not leading (any more) or full: look again
             return None
         try:
-            return GroupInfo.from_wire(reply["group"], self.me)
+            return GroupInfo.from_wire(reply["group"], self.me, self.chunk_size or MIN_CHUNK)
         except ValueError as e:
             logger.warning("leader %s sent a bad group: %s", leader.peer_id, e)
             unreachable.add(leader.peer_id)
@@ -240,10 +241,12 @@ class Matchmaker:
         followers = lead.followers[: self._target - 1]
         members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth,
                              weight=self._weight), *followers]
-        sizes = load_balanced_parts(self.numel, [m.bandwidth for m in members])
+        bandwidths = [m.bandwidth for m in members]
+        sizes = load_balanced_parts(self.numel, bandwidths)
         # weights go in as declared: each member refuses out-of-range ones itself, by the same rule
         group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes,
-                          [m.weight for m in members], 0)
+                          [m.weight for m in members], 0,
+                          chunk_size=self.chunk_size or auto_chunk_size(bandwidths))
         wire = group.to_wire()
         for f in followers:
             fut = lead.replies.get(f.peer_id)

@@ -244,8 +244,9 @@ async def test_an_attack_in_one_chunk_drops_the_sender_from_there_to_the_end_of_
         return {**payload, "d": payload["d"] * 1e6} if chunk.start == target["start"] else payload
 
     attacker.round_class = sending(tamper)
-    # the third chunk of part 0 (parts are 3 x 105: tensor 0 is [0, 15), chunks cut tensor 1 at 79)
-    target["start"] = 15 + CHUNK
+    # the second chunk of part 0 (parts are 3 x 105; a chunk spans tensors of one codec, so part 0
+    # is cut into [0, CHUNK) and [CHUNK, 105))
+    target["start"] = CHUNK
     results = await game.run()
     everyone = [torch.cat([t.reshape(-1) for t in ts]).double() for ts in game.tensors]
     honest_mean, all_mean = torch.stack(everyone[:3]).mean(0), torch.stack(everyone).mean(0)
@@ -257,7 +258,7 @@ async def test_an_attack_in_one_chunk_drops_the_sender_from_there_to_the_end_of_
     torch.testing.assert_close(flat[0][:caught].double(), all_mean[:caught], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(flat[0][caught:end].double(), honest_mean[caught:end], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(flat[0][end:].double(), all_mean[end:], rtol=1e-6, atol=1e-6)
-    assert all(re.search(r"^part 0: chunk 2: norm .* over 100 x the median norm", res.excluded[attacker.peer_id])
+    assert all(re.search(r"^part 0: chunk 1: norm .* over 100 x the median norm", res.excluded[attacker.peer_id])
                for res in results[:3])
 
 
