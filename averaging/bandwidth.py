@@ -8,13 +8,16 @@ While a round runs, ``BandwidthMeter`` reads the kernel's delivery-rate samples 
 connections to the group (``p2p.tcp_info``) every ``interval``, keeping those taken while data
 flowed (bytes acknowledged since the last read) and not application-limited.  A connection's
 figure is the median of its samples (a shaper's bucket lets short bursts through at line rate: the
-largest samples overstate the link); the round's figure is the best connection's.  A connection's
-rate is the slower of our uplink and the receiver's downlink, so the best one over the group is
-our uplink unless every receiver is slower
-(an underestimate the LP forgives: it needs to know who is slow, not by how much the fast ones are
-fast).  The estimate is the median of the last ``window`` rounds' figures, capped at ``ceiling``:
-beyond about a gigabit per second a peer's CPU, not its link, bounds its part of a Python
-all-reduce, and near-equal fast links should split equally rather than by measurement noise.
+largest samples overstate the link).  A connection's rate is the slower of our share of our uplink
+and the receiver's downlink, so a peer faster than its receivers never sees its uplink on any one
+connection; but the connections flowing at one moment share that uplink, and their rates add up to
+it when it is the bottleneck.  The round's figure is therefore the larger of the best connection's
+median and the median, over the moments when data flowed, of the summed rates of the connections
+flowing then: still an underestimate when the receivers together are slower (one the LP forgives:
+it needs to know who is slow, not by how much the fast ones are fast).  The estimate is the median
+of the last ``window`` rounds' figures, capped at ``ceiling``: beyond about a gigabit per second a
+peer's CPU, not its link, bounds its part of a Python all-reduce, and near-equal fast links should
+split equally rather than by measurement noise.
 Until a round gave a figure, the estimate is ``default``.
 """
 
@@ -63,8 +66,10 @@ class BandwidthMeter:
         awaited after it."""
         acked: dict[PeerID, int] = {}
         samples: dict[PeerID, list[int]] = {peer: [] for peer in peers}
+        totals: list[int] = []  # per moment: the summed rates of the connections flowing then
         try:
             while True:
+                total = 0
                 for peer in peers:
                     info = p2p.tcp_info(peer)
                     if info is None:
@@ -73,8 +78,17 @@ class BandwidthMeter:
                     acked[peer] = info.bytes_acked
                     if flowed and not info.app_limited and info.delivery_rate > 0:
                         samples[peer].append(info.delivery_rate)
+                        total += info.delivery_rate
+                if total:
+                    totals.append(total)
                 await asyncio.sleep(self.interval)
         finally:
-            figures = [statistics.median(s) for s in samples.values() if s]
-            if figures:
-                self.add(max(figures) * 8 / BITS_PER_MBIT)
+            figure = self.round_figure([s for s in samples.values() if s], totals)
+            if figure:
+                self.add(figure * 8 / BITS_PER_MBIT)
+
+    @staticmethod
+    def round_figure(per_connection: Sequence[Sequence[int]], totals: Sequence[int]) -> float:
+        """Bytes/s: the best connection's median sample, or the median summed rate if larger; 0 if none."""
+        best = max((statistics.median(s) for s in per_connection if s), default=0.0)
+        return max(best, statistics.median(totals) if totals else 0.0)

@@ -65,6 +65,18 @@ def test_the_estimate_is_the_median_of_recent_rounds_capped():
         BandwidthMeter(default=0.0)
 
 
+def test_a_round_figure_adds_up_the_connections_that_share_the_uplink():
+    # three receivers each slower than our uplink's share: alone none shows it, together they do
+    per_connection = [[8e6, 8.2e6, 7.9e6], [8.1e6, 8e6], [7.8e6, 8e6, 8e6]]
+    totals = [23.9e6, 24.2e6, 16e6, 24e6]  # one moment with only two connections flowing
+    assert BandwidthMeter.round_figure(per_connection, totals) == 23.95e6
+    # one connection: its median (a sum of one is that connection's sample)
+    assert BandwidthMeter.round_figure([[5e6, 9e6, 6e6]], [5e6, 9e6, 6e6]) == 6e6
+    # a lone burst in the totals never beats a steadier best connection
+    assert BandwidthMeter.round_figure([[10e6, 10e6, 10e6]], [4e6, 4e6, 30e6]) == 10e6
+    assert BandwidthMeter.round_figure([], []) == 0.0
+
+
 PEER = """
 import asyncio, json, sys, torch
 from averaging import DecentralizedAverager
