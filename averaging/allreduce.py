@@ -44,7 +44,7 @@ import torch
 from p2p import P2P, P2PError, PeerID
 from p2p.codecs import FLOAT32_MAX, BadChunk, Codec, decode, decode_into, encode, norm
 
-from .partition import MIN_CHUNK, Chunk, FlatTensors, describe_mismatch, part_bounds, valid_chunk_size
+from .partition import MIN_CHUNK, Chunk, FlatTensors, chunk_size_problem, describe_mismatch, part_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +96,20 @@ class GroupInfo:
                 "s": self.part_sizes, "w": self.weights, "c": self.chunk_size}
 
     @classmethod
-    def from_wire(cls, raw: Any, me: PeerID, default_chunk_size: int = MIN_CHUNK) -> GroupInfo:
-        """``default_chunk_size``: what a leader that names no chunk size (an older release) used."""
+    def from_wire(cls, raw: Any, me: PeerID, numel: int, default_chunk_size: int = MIN_CHUNK) -> GroupInfo:
+        """The group as its leader described it, for our vector of ``numel`` elements;
+        ``default_chunk_size``: what a leader that names no chunk size (an older release) used."""
         try:
             info = cls(raw["g"], [PeerID(d) for d in raw["p"]], list(raw["a"]), [int(s) for s in raw["s"]],
                        [claimed_weight(w) for w in raw["w"]], chunk_size=raw.get("c", default_chunk_size))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed group description: {e}") from None
-        if not valid_chunk_size(info.chunk_size):
-            raise ValueError(f"malformed group description: chunk size {str(info.chunk_size)[:40]} "
-                             f"is not an integer in [1, {1 << 24}]")
+        if any(s < 0 for s in info.part_sizes) or sum(info.part_sizes) != numel:
+            raise ValueError(f"malformed group description: part sizes {str(info.part_sizes)[:80]} "
+                             f"do not divide our {numel} elements")
+        problem = chunk_size_problem(info.chunk_size, numel)
+        if problem is not None:
+            raise ValueError(f"malformed group description: {problem}")
         if not (len(info.peer_ids) == len(info.addresses) == len(info.part_sizes) == len(info.weights)) \
                 or me not in info.peer_ids:
             raise ValueError("group description is inconsistent or does not include this peer")

@@ -24,7 +24,7 @@ from p2p.node import CallContext
 from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
 from .bandwidth import BandwidthMeter
 from .matchmaking import Matchmaker
-from .partition import FlatTensors, valid_chunk_size
+from .partition import FlatTensors, chunk_size_problem
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,9 @@ class DecentralizedAverager:
         self.prefix = prefix
         self.flat = FlatTensors(tensors)
         self.codec = Codec(compression)
-        if chunk_size is not None and not (valid_chunk_size(chunk_size) and chunk_size > 0):
-            raise ValueError(f"chunk_size must be a positive int up to {1 << 24} or None (chosen per group), "
-                             f"got {chunk_size!r}")
+        problem = None if chunk_size is None else chunk_size_problem(chunk_size, self.flat.numel)
+        if problem is not None:
+            raise ValueError(f"chunk_size: {problem} (None: chosen per group)")
         self.chunk_size = chunk_size
         if window < 1:
             raise ValueError(f"window must be at least one chunk, got {window}")

@@ -196,7 +196,7 @@ class Matchmaker:
             await asyncio.sleep(self.poll_interval)  # not leading (any more) or full: look again
             return None
         try:
-            return GroupInfo.from_wire(reply["group"], self.me, self.chunk_size or MIN_CHUNK)
+            return GroupInfo.from_wire(reply["group"], self.me, self.numel, self.chunk_size or MIN_CHUNK)
         except ValueError as e:
             logger.warning("leader %s sent a bad group: %s", leader.peer_id, e)
             unreachable.add(leader.peer_id)
@@ -246,7 +246,7 @@ class Matchmaker:
         # weights go in as declared: each member refuses out-of-range ones itself, by the same rule
         group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes,
                           [m.weight for m in members], 0,
-                          chunk_size=self.chunk_size or auto_chunk_size(bandwidths))
+                          chunk_size=self.chunk_size or auto_chunk_size(bandwidths, self.numel))
         wire = group.to_wire()
         for f in followers:
             fut = lead.replies.get(f.peer_id)

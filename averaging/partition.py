@@ -93,10 +93,15 @@ class FlatTensors:
 MIN_CHUNK = 1 << 16
 MAX_CHUNK = 1 << 20
 CHUNK_SECONDS = 0.032  # a chunk is what the slowest member's link moves in about this long
+# What a member accepts from a leader: a chunk's buffers stay far below a message's limit, and a
+# round's per-chunk state (futures, held slices) stays small
+MAX_CHUNK_SIZE = 1 << 24
+MAX_CHUNKS = 1 << 16
 
 
-def auto_chunk_size(bandwidths: Sequence[float]) -> int:
-    """The chunk size for a group whose members declared ``bandwidths`` (Mbit/s; 0: client mode).
+def auto_chunk_size(bandwidths: Sequence[float], numel: int = 0) -> int:
+    """The chunk size for a group whose members declared ``bandwidths`` (Mbit/s; 0: client mode),
+    averaging ``numel`` elements (never more than MAX_CHUNKS chunks, which members refuse).
 
     Per chunk, a round pays a fixed cost (messages, futures, syscalls): on fast links that cost
     dominates unless chunks are large (4 MB chunks take a 4 x 10M loopback round from 0.31 to
@@ -104,15 +109,18 @@ def auto_chunk_size(bandwidths: Sequence[float]) -> int:
     overlap, so chunks stay small there: sized so that the slowest link moves one in ~32 ms.
     """
     slowest = min((b for b in bandwidths if b > 0), default=0.0)
-    if slowest <= 0:
-        return MIN_CHUNK
     elements = int(slowest * 1e6 / 8 * CHUNK_SECONDS / 4)
-    return max(MIN_CHUNK, min(MAX_CHUNK, elements))
+    return max(MIN_CHUNK, min(MAX_CHUNK, elements), -(-numel // MAX_CHUNKS))
 
 
-def valid_chunk_size(value: object) -> bool:
-    """Whether a group description's chunk size is one this peer accepts (bounded work and memory)."""
-    return type(value) is int and 1 <= value <= 1 << 24
+def chunk_size_problem(value: object, numel: int) -> str | None:
+    """Why a chunk size is refused for a vector of ``numel`` elements (a leader's choice binds every
+    member, so a hostile one must not make them cut millions of chunks), or None if it is fine."""
+    if type(value) is not int or not 1 <= value <= MAX_CHUNK_SIZE:
+        return f"chunk size {str(value)[:40]} is not an integer in [1, {MAX_CHUNK_SIZE}]"
+    if -(-numel // value) > MAX_CHUNKS:
+        return f"chunk size {value} cuts {numel} elements into more than {MAX_CHUNKS} chunks"
+    return None
 
 
 def part_bounds(part_sizes: Sequence[int]) -> list[tuple[int, int]]:
