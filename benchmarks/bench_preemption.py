@@ -17,9 +17,13 @@ unless marked "real".
    mean 10, 20, 50 x E), run in ``--rounds`` interleaved rounds (3; the order rotates each round)
    because the machine is shared and its speed drifts by 2x within minutes.  Round r uses lifetime
    seed ``--seed + r`` for every case.  A preemption is a notice (``notice_period_s``: the worker
-   leaves at once and the supervisor asks for a replacement), then a SIGKILL of the instance's
-   process; a replacement arrives ``provisioning_delay_s`` later and must boot (real seconds: a Ray
-   actor process, torch, the DHT, the state download).
+   trains through most of it and leaves between rounds; the supervisor asks for a replacement at
+   once), then a SIGKILL of the instance's process; a replacement arrives ``provisioning_delay_s``
+   later and must boot (real seconds: a Ray actor process, torch, the DHT, the state download).
+   ``--warm-spares N`` keeps N more instances booted, joined and idle (the node type's
+   ``warm_spares``): a notice hands the leaving trainer's place to one at once, and the replacement
+   boots as the next spare.  Spares are billed at spot prices; the on-demand reference leaves out
+   spares that never trained.
 
 Throughput of a run = samples trained per second over its measured window: the window opens at the
 run store's first progress record (the fleet's first global epoch; the initial boot is left out)
@@ -134,7 +138,8 @@ def make_config(name: str, args: argparse.Namespace, seed: int, mean_lifetime_s:
                      "provisioning_delay_s": args.provisioning_s, "seed": seed},
         "available_node_types": {NODE_TYPE: {
             "node_config": {"InstanceType": "sim.gpu"}, "resources": {"CPU": 1},
-            "min_workers": args.instances, "max_workers": args.instances, "spot": True,
+            "min_workers": args.instances, "max_workers": args.instances, "warm_spares": args.warm_spares,
+            "spot": True,
             "on_demand_price_per_hour": ON_DEMAND,
             "spot_price_per_hour": {z: SPOT_RATIO * ON_DEMAND for z in ZONES},
             "preemption": preemption}},
@@ -220,6 +225,7 @@ def _analyze(run: Run, config, run_dir: Path) -> None:
     try:
         inst = db.execute("SELECT id, price_per_hour, on_demand_price_per_hour, launched_at, ended_at, end_reason "
                           "FROM instances ORDER BY launched_at").fetchall()
+        events = db.execute("SELECT kind, instance_id FROM events WHERE kind IN ('standby', 'activated')").fetchall()
     finally:
         db.close()
     t0, t1 = run.t0, run.t1
@@ -231,11 +237,14 @@ def _analyze(run: Run, config, run_dir: Path) -> None:
     run.samples = run.epochs * config.training.target_batch_size
     run.launched = len(inst)
     run.first_launch = min((r[3] for r in inst), default=t0)
+    # warm spares that never trained: paid for at spot prices, but an on-demand fleet needs none
+    idle_spares = {i for kind, i in events if kind == "standby"} - {i for kind, i in events if kind == "activated"}
     for _id, price, od, launched, ended, reason in inst:
         overlap = max(0.0, min(ended if ended is not None else t1, t1) - max(launched, t0))
         run.instance_seconds += overlap
         run.spot_dollars += overlap / 3600 * price
-        run.od_dollars += overlap / 3600 * od
+        if _id not in idle_spares:
+            run.od_dollars += overlap / 3600 * od
         if reason == "preempted" and ended is not None and t0 <= ended <= t1:
             run.preempted_in_window += 1
         elif reason == "died":
@@ -376,6 +385,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="calibration as none, then L20, 10-s windows, --device-ms 5 (smoke test)")
     parser.add_argument("--instances", type=int, default=3)
+    parser.add_argument("--warm-spares", type=int, default=0,
+                        help="warm spares kept besides the instances (booted, joined, idle until a notice; billed)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the four cases (3; quick 1)")
     parser.add_argument("--window-s", type=float, help="measured window per run, real seconds (60; quick 10)")
     parser.add_argument("--calibration-s", type=float,
@@ -525,7 +536,9 @@ def restart_baselines(b: Bench, by_case: dict[str, list[Run]], ref_rate: float, 
 def print_setup(b: Bench, s: Summary) -> None:
     args, scale, epoch_s = b.args, b.scale, b.epoch_s
     print()
-    print(f"fleet: {args.instances} x {NODE_TYPE} spot instances, task {args.task_spec}, target_batch_size "
+    spares = (f" + {args.warm_spares} warm spare{'s' if args.warm_spares != 1 else ''} (billed at spot prices; "
+              "the on-demand reference has none)" if args.warm_spares else "")
+    print(f"fleet: {args.instances} x {NODE_TYPE} spot instances{spares}, task {args.task_spec}, target_batch_size "
           f"{args.target_batch_size}, time_scale {scale:g} (simulated s per real s); one Ray session")
     print(f"E = {epoch_s:.1f} s ({epoch_s / scale:.2f} s real, calibration run); B = {s.boot_s:.0f} s "
           f"({s.boot_s / scale:.1f} s real) = {s.boot_s / epoch_s:.1f} E; provisioning {args.provisioning_s:g} s; "
@@ -636,7 +649,8 @@ def figures_of(b: Bench, s: Summary, by_peers: dict[int, tuple[float, float]], l
         "epoch_time_s": b.epoch_s, "epoch_time_real_s": b.epoch_s / scale, "boot_s": s.boot_s,
         "checkpoint_every_s": b.checkpoint_s, "provisioning_delay_s": args.provisioning_s,
         "notice_period_s": args.notice_s, "time_scale": scale, "window_real_s": args.window_s, "rounds": args.rounds,
-        "instances": args.instances, "task": args.task_spec, "target_batch_size": args.target_batch_size,
+        "instances": args.instances, "warm_spares": args.warm_spares, "task": args.task_spec,
+        "target_batch_size": args.target_batch_size,
         "spot_price_ratio": SPOT_RATIO, "seed": args.seed, "quick": args.quick, "wall_s": wall,
         "ray_start_s": b.ray_up_s, "load_avg_start": list(load0), "load_avg_end": list(load1),
         "samples_per_s_by_peers": {str(p): rt * scale for p, (rt, _) in sorted(by_peers.items())},

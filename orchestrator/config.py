@@ -239,6 +239,9 @@ class NodeType(_Strict):
     resources: dict[str, float] = {}
     min_workers: int = pydantic.Field(0, ge=0)
     max_workers: int = pydantic.Field(1, ge=0)
+    # trainers only: instances kept booted and joined but idle, each ready to take a preempted
+    # trainer's place at its notice instead of a cold boot later; billed like any instance
+    warm_spares: int = pydantic.Field(0, ge=0, le=64)
     spot: bool = True
     on_demand_price_per_hour: float = pydantic.Field(1.0, ge=0)
     spot_price_per_hour: dict[str, float] = {}  # by zone; missing zones use 0.3 x on-demand
@@ -247,9 +250,12 @@ class NodeType(_Strict):
     bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False)
 
     @pydantic.model_validator(mode="after")
-    def _min_le_max(self) -> NodeType:
+    def _check_sizes(self) -> NodeType:
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
+        if self.warm_spares and self.role != "trainer":
+            raise ValueError(f"warm_spares ({self.warm_spares}) is for trainers; role {self.role!r} has none (its "
+                             "replicas already cover a lost server)")
         return self
 
     def price(self, zone: str, market: str) -> float:
@@ -438,15 +444,16 @@ class ClusterConfig(_Strict):
         return {name: nt for name, nt in self.available_node_types.items() if name != self.head_node_type}
 
     def max_instances(self) -> int:
-        """The fleet's size when every node type it launches runs ``max_workers``."""
-        return sum(nt.max_workers for nt in self.fleet_types().values())
+        """The fleet's size when every node type it launches runs ``max_workers`` and its warm spares."""
+        return sum(nt.max_workers + nt.warm_spares for nt in self.fleet_types().values())
 
     def trainer_types(self) -> dict[str, NodeType]:
         """The fleet's node types that train (not expert servers)."""
         return {name: nt for name, nt in self.fleet_types().items() if nt.role == "trainer"}
 
     def max_trainers(self) -> int:
-        return sum(nt.max_workers for nt in self.trainer_types().values())
+        """Trainers at most: every warm spare may be training while the peers it replaces leave."""
+        return sum(nt.max_workers + nt.warm_spares for nt in self.trainer_types().values())
 
     def role(self, node_type: str) -> str:
         return self.available_node_types[node_type].role

@@ -51,6 +51,9 @@ class WorkerControl(Protocol):
     def notify(self, instance: Instance, deadline_s: float) -> None:
         """Forward a preemption notice (never blocks)."""
 
+    def activate(self, instance: Instance) -> None:
+        """Make a warm spare's worker train (never blocks; queued behind its boot if it is booting)."""
+
     def poll_left(self, instance_ids: list[str]) -> list[str]:
         """Which of these noticed instances' workers have left gracefully (never blocks)."""
 
@@ -78,7 +81,7 @@ class _Pending:
 class _Background:
     """One call running on a pool: what it is for and the future of its result."""
 
-    kind: str  # "launch", "place", "release"
+    kind: str  # "launch", "place", "adopt", "activate", "release"
     instance_id: str
     future: Future
     detail: Any = None
@@ -103,6 +106,7 @@ class FleetPolicy:
         self.live: dict[str, Instance] = {}
         self.noticed: set[str] = set()
         self.left: set[str] = set()
+        self.spares: set[str] = set()  # warm spares (launched or launching): booted and joined, not training
         self.preemptions: deque[tuple[float, str]] = deque()
         self.budget_exhausted = False
         self.fatal: str | None = None  # a problem only a person can fix (credentials): the run stops
@@ -150,7 +154,7 @@ class FleetPolicy:
             if record.notice_at is not None:
                 self.noticed.add(inst.id)
             if not inst.hosts_worker:
-                self._submit("place", inst, self._ensure_worker, inst)
+                self._submit("adopt", inst, self._ensure_worker, inst)
             self.store.event("adopted", inst.id)
             adopted.append(inst.id)
         lost = [r.id for r in known.values() if r.ended_at is None and r.id not in self.live]
@@ -164,9 +168,12 @@ class FleetPolicy:
             self.status_text = "running"
         return adopted
 
-    def _ensure_worker(self, inst: Instance) -> str:
+    def _ensure_worker(self, inst: Instance) -> tuple[str, bool]:
+        """An adopted instance's worker: the running one (and whether it is a warm spare), or a new trainer."""
         running = self.workers.running(inst)
-        return running["peer_id"] if running else self.workers.place(inst, self.worker_args(inst.node_type))
+        if running:
+            return running["peer_id"], running.get("phase") == "standby"
+        return self.workers.place(inst, self.worker_args(inst.node_type)), False
 
     @property
     def launching(self) -> int:
@@ -241,6 +248,21 @@ class FleetPolicy:
             if notice.source == "provider":  # a machine that saw it itself is leaving already
                 # the worker gets most of the notice; the rest is margin for the message and the kill
                 self.workers.notify(inst, max(self.to_real(notice.terminate_at - now) * 0.8, 0.5))
+            if inst.id not in self.spares:
+                self._activate_spare(inst.node_type)
+
+    def _activate_spare(self, node_type: str) -> None:
+        """A trainer is going: a warm spare of its type takes its place now, not a boot later (one that
+        finished booting first); the replacement launched for the trainer becomes the next spare."""
+        candidates = [i for i in self.spares if i in self.live and i not in self.noticed
+                      and self.live[i].node_type == node_type]
+        if not candidates:
+            return
+        spare = max(candidates, key=lambda i: (bool(self.live[i].tags.get("peer_id")), -self.live[i].launched_at))
+        self.spares.discard(spare)
+        self.store.event("activated", spare)
+        logger.info("warm spare %s takes over a trainer's place", spare)
+        self._submit("activate", self.live[spare], self.workers.activate, self.live[spare])
 
     def _record_leaves(self) -> None:
         waiting = [i for i in self.noticed if i in self.live and i not in self.left]
@@ -267,8 +289,12 @@ class FleetPolicy:
 
     def _ended(self, instance_id: str, reason: str) -> None:
         inst = self.live.pop(instance_id, None)
+        was_spare = instance_id in self.spares
+        self.spares.discard(instance_id)
         if inst is None:
             return
+        if reason in ("preempted", "died") and not was_spare and instance_id not in self.noticed:
+            self._activate_spare(inst.node_type)  # gone without a notice: no spare took its place yet
         now = self.clock()
         self.store.update_instance(instance_id, ended_at=now, end_reason=reason)
         self.store.event(reason, instance_id)
@@ -297,12 +323,21 @@ class FleetPolicy:
                 continue
             if b.kind == "launch":
                 self._launched(result)
+            elif b.kind == "adopt":
+                peer_id, standby = result
+                if standby and b.instance_id in self.live:
+                    self.spares.add(b.instance_id)
+                self._placed(b.instance_id, peer_id)
             elif b.kind == "place" and result:
-                self.store.update_instance(b.instance_id, peer_id=result)
-                self._boot_failures = 0
-                self._launch_failures = 0
-                if b.instance_id in self.live:
-                    self.live[b.instance_id].tags["peer_id"] = result
+                self._placed(b.instance_id, result)
+
+    def _placed(self, instance_id: str, peer_id: str) -> None:
+        if peer_id:
+            self.store.update_instance(instance_id, peer_id=peer_id)
+            self._boot_failures = 0
+            self._launch_failures = 0
+            if instance_id in self.live:
+                self.live[instance_id].tags["peer_id"] = peer_id
 
     def _failed(self, b: _Background, error: Exception) -> None:
         if b.kind == "launch":
@@ -310,8 +345,11 @@ class FleetPolicy:
             self.store.event("launch_failed", detail={"node_type": spec.node_type, "zone": spec.zone,
                                                       "market": spec.market, "error": str(error)})
             logger.warning("launching %s in %s (%s) failed: %s", spec.node_type, spec.zone, spec.market, error)
+            self.spares.discard(spec.instance_id)
             self._launch_failed(spec, error)
-        elif b.kind == "place":
+        elif b.kind == "activate":
+            logger.warning("activating the warm spare %s failed: %s", b.instance_id, error)
+        elif b.kind in ("place", "adopt"):
             logger.warning("the worker of %s did not start: %s; releasing the instance", b.instance_id, error)
             inst = self.live.get(b.instance_id)
             if inst is not None:
@@ -350,7 +388,8 @@ class FleetPolicy:
 
     # ---- fleet -----------------------------------------------------------------------------------
     def _reconcile(self, now: float) -> None:
-        """Keep at least min_workers and scale up to max_workers while the budget allows."""
+        """Keep at least min_workers and scale up to max_workers (plus the warm spares) while the budget
+        allows."""
         launching = [b.detail for b in self._background if b.kind == "launch"]
         for name, node_type in self.config.available_node_types.items():
             if name == self.config.head_node_type:
@@ -358,7 +397,7 @@ class FleetPolicy:
             have = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
             have += sum(1 for p in self.pending if p.node_type == name)
             have += sum(1 for s in launching if s.node_type == name)
-            while have < node_type.max_workers:
+            while have < node_type.max_workers + node_type.warm_spares:
                 zone, market = self.choose_zone(name, now)
                 if not self._has_capacity(name, zone, market, now):
                     self.status_text = f"no capacity for {name} in any zone; trying again shortly"
@@ -465,15 +504,28 @@ class FleetPolicy:
             index, self._next_index = self._next_index, self._next_index + 1
             instance_id = f"{self.config.cluster_name}-{p.node_type}-{index:04d}"
             node_type = self.config.available_node_types[p.node_type]
+            if self._trainers(p.node_type) >= node_type.max_workers:
+                self.spares.add(instance_id)
             spec = LaunchSpec(instance_id, p.node_type, p.zone, p.market,
                               tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
                                     NODE_TYPE_TAG: p.node_type},
                               node_config=dict(node_type.node_config), resources=dict(node_type.resources),
-                              sequence=index, worker_args=self.worker_args(p.node_type),
+                              sequence=index, worker_args=self._worker_args_of(instance_id, p.node_type),
                               certify=_certifier_for(self.workers, instance_id))
             spec.boot_script = self.boot_script(spec)
             # once: cloud providers retry transient errors themselves, and a failure backs off
             self._submit("launch", spec, self.provider.launch, spec, detail=spec)
+
+    def _trainers(self, node_type: str) -> int:
+        """Instances of the type that train or will: live or launching, neither noticed nor spares."""
+        launching = [b.detail for b in self._background if b.kind == "launch"]
+        live = sum(1 for i in self.live.values() if i.node_type == node_type and i.id not in self.noticed
+                   and i.id not in self.spares)
+        return live + sum(1 for s in launching if s.node_type == node_type and s.instance_id not in self.spares)
+
+    def _worker_args_of(self, instance_id: str, node_type: str) -> dict[str, Any]:
+        args = self.worker_args(node_type)
+        return {**args, "standby": True} if instance_id in self.spares else args
 
     def _launched(self, inst: Instance, place: bool = True) -> None:
         self.live[inst.id] = inst
@@ -481,6 +533,8 @@ class FleetPolicy:
         od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
         self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
                                            od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
+        if inst.id in self.spares:
+            self.store.event("standby", inst.id)  # a warm spare: billed, booted, not training until activated
         if self.fatal is not None:  # the run stopped while this launch was in flight: nothing will work
             self._ended(inst.id, "released")
             self._submit("release", inst, self._release, inst)
@@ -490,7 +544,7 @@ class FleetPolicy:
             self._ended(inst.id, "budget")
             self._submit("release", inst, self._release, inst)
         elif place and not inst.hosts_worker:
-            self._submit("place", inst, self.workers.place, inst, self.worker_args(inst.node_type))
+            self._submit("place", inst, self.workers.place, inst, self._worker_args_of(inst.id, inst.node_type))
 
     def _release(self, inst: Instance) -> None:
         try:

@@ -55,7 +55,8 @@ class WorkerActor:
         """Start training (or, with ``"role": "experts"`` in the arguments, serving experts); ``watch``
         ({"kind": "aws"|"gcp", "interval_s": ..., for gcp "deadline_s"}, see ``notices.instance_watch``)
         also watches this machine's metadata for its preemption notice (cloud instances), so the
-        worker leaves in time even when nobody else could tell it."""
+        worker leaves in time even when nobody else could tell it.  ``"standby": true`` in the
+        arguments makes a warm spare: booted, joined, idle until ``activate``."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args = dict(worker_args)
         role = args.pop("role", "trainer")
@@ -68,9 +69,10 @@ class WorkerActor:
         else:
             from workers.peer import TrainingPeer, WorkerConfig
 
-            self.peer = TrainingPeer(WorkerConfig(**args), identity=self.identity)
-            self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
-            self.thread.start()
+            standby = bool(args.pop("standby", False))
+            self.peer = TrainingPeer(WorkerConfig(**args), identity=self.identity, standby=standby)
+            if not standby:
+                self.activate()
             address = self.peer.address
         if watch is not None:
             from .notices import start_watcher
@@ -78,6 +80,16 @@ class WorkerActor:
             self.watcher = start_watcher(watch, self._on_instance_notice)
         return {"pid": os.getpid(), "peer_id": str(self.identity.peer_id), "address": address,
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+    def activate(self) -> bool:
+        """A warm spare takes a trainer's place: it loads the swarm's state and trains (in its
+        training thread; this returns at once).  False when there is nothing to activate: no
+        trainer here, already training, or leaving."""
+        if self.peer is None or self.thread is not None or self.left.is_set():
+            return False
+        self.thread = threading.Thread(target=self.peer.run, name="training", daemon=True)
+        self.thread.start()
+        return True
 
     def peer_id(self) -> str:
         return str(self.identity.peer_id)
@@ -213,6 +225,8 @@ class RayWorkers:
         self.watch = watch  # instances watch their own metadata for notices (clouds)
         self.check_every_s = check_every_s
         self._left_checks: dict[str, Any] = {}
+        self._activate_when_placed: set[str] = set()  # spares activated before their actor existed
+        self._activating = threading.Lock()
         self._notice_checks: dict[str, Any] = {}
         self._next_check: dict[str, float] = {}
         self._alive_checks: dict[str, Any] = {}
@@ -255,6 +269,11 @@ class RayWorkers:
             raise
         self._handles[instance.id] = actor
         self._worker_node[instance.id] = info["node_id"]
+        with self._activating:
+            activate = instance.id in self._activate_when_placed
+            self._activate_when_placed.discard(instance.id)
+        if activate:
+            actor.activate.remote()
         logger.info("worker of %s runs on node %s as %s", instance.id, info["node_id"][:12], info["address"])
         return info["peer_id"]
 
@@ -294,6 +313,15 @@ class RayWorkers:
             self._actor(instance).notice.remote(deadline_s, self.clock())  # queued behind start if still booting
         except ValueError:  # no such actor: the worker never started or is gone already
             logger.info("no worker on %s to notify", instance.id)
+
+    def activate(self, instance: Instance) -> None:
+        """A warm spare starts training (queued behind its start if it is still booting; once placed,
+        if its actor does not exist yet)."""
+        with self._activating:
+            try:
+                self._actor(instance).activate.remote()
+            except ValueError:
+                self._activate_when_placed.add(instance.id)
 
     def _statuses(self, checks: dict[str, Any], instance_ids: list[str]) -> dict[str, dict]:
         """Start a status call for each instance without one in flight; return the answers that

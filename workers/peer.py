@@ -99,7 +99,11 @@ def run_membership(config: WorkerConfig, identity: Identity) -> Membership | Non
 
 
 class TrainingPeer:
-    def __init__(self, config: WorkerConfig, identity: Identity | None = None) -> None:
+    def __init__(self, config: WorkerConfig, identity: Identity | None = None, standby: bool = False) -> None:
+        """``standby``: a warm spare — everything a peer builds before it trains (the task, the model,
+        its optimizer, a DHT node joined to the swarm), but no progress reports and no state until
+        ``join`` (or ``run``): the swarm does not count it, and it takes over a preempted peer's
+        place in a fraction of a cold boot."""
         self.config = config
         self.task = load_task(config.task, **config.task_options)
         self.device = pick_device(config.device)
@@ -117,25 +121,40 @@ class TrainingPeer:
         self.mixtures = [m for m in self.model.modules() if hasattr(m, "take_stats")]
         self._moe_totals = dict.fromkeys(("calls", "calls_meeting_k_min", "rows", "rows_meeting_k_min",
                                           "failovers"), 0)
-        optimizer = self.task.make_optimizer(self.model.parameters())
-        scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
-        self.optimizer: CollaborativeOptimizer | MoshpitSGD
-        if config.mode == "collaborative":
-            self.optimizer = CollaborativeOptimizer(
-                optimizer, self.dht, config.run, config.target_batch_size, scheduler=scheduler,
-                compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
-                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth)
-        else:
-            self.optimizer = MoshpitSGD(optimizer, self.dht, config.run, grid=config.moshpit_grid,
-                                        averaging_period=config.averaging_period,
-                                        averaging_timeout=config.averaging_timeout, compression=config.compression,
-                                        max_group_size=config.group_size, bandwidth=config.bandwidth)
+        # the task's own optimizer is built now even for a standby: a torch optimizer's first call
+        # imports torch._dynamo, seconds of CPU that a spare pays before it is needed
+        self._local_optimizer = self.task.make_optimizer(self.model.parameters())
+        self._scheduler = self.task.make_scheduler(self._local_optimizer) if self.task.make_scheduler else None
+        self.optimizer: CollaborativeOptimizer | MoshpitSGD | None = None
+        self.standby = standby
+        if not standby:
+            self.join()
         self._stop = threading.Event()
         self._stopped = threading.Event()
+        self._run_lock = threading.Lock()  # run's start against prepare_to_leave: one of them goes first
+        self._running = False
         self._leave_at: float | None = None  # monotonic time by which a noticed peer stops training
         self._epoch_s: float | None = None  # how long the last global epoch took, seen from here
         self._report = Path(config.report_file).open("a") if config.report_file else None
         self.history: deque[dict] = deque(maxlen=10_000)  # the per-epoch records, newest last
+
+    def join(self) -> None:
+        """Take part in the run: load the swarm's state and report progress from now on (a standby's
+        activation; at once for any other peer).  Safe to call twice."""
+        if self.optimizer is not None:
+            return
+        config = self.config
+        if config.mode == "collaborative":
+            self.optimizer = CollaborativeOptimizer(
+                self._local_optimizer, self.dht, config.run, config.target_batch_size, scheduler=self._scheduler,
+                compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
+                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth)
+        else:
+            self.optimizer = MoshpitSGD(self._local_optimizer, self.dht, config.run, grid=config.moshpit_grid,
+                                        averaging_period=config.averaging_period,
+                                        averaging_timeout=config.averaging_timeout, compression=config.compression,
+                                        max_group_size=config.group_size, bandwidth=config.bandwidth)
+        self.standby = False
 
     @property
     def address(self) -> str | None:
@@ -143,51 +162,63 @@ class TrainingPeer:
 
     @property
     def epoch(self) -> int:
-        return self.optimizer.epoch
+        return self.optimizer.epoch if self.optimizer is not None else 0
 
     @property
     def phase(self) -> str:
-        """matchmaking, all-reduce, state download, or idle (computing gradients)."""
+        """matchmaking, all-reduce, state download, idle (computing gradients), or standby (a spare)."""
+        if self.optimizer is None:
+            return "standby"
         return getattr(self.optimizer, "phase", "idle")
 
     def run(self) -> None:
-        """Train until max_epochs / max_seconds or ``prepare_to_leave``."""
+        """Train until max_epochs / max_seconds or ``prepare_to_leave`` (a standby joins first)."""
+        with self._run_lock:
+            if self._stop.is_set():  # told to leave before it ever trained
+                self._stopped.set()
+                return
+            self._running = True
+        try:
+            self.join()
+            self._train()
+        finally:
+            self._stopped.set()
+
+    def _train(self) -> None:
         cfg = self.config
+        assert self.optimizer is not None
         self._wait_for_peers()
         started = time.monotonic()
         batches = self.task.batches(cfg.seed)
         samples, window_start, losses = 0, time.monotonic(), []
         epoch_started = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                if self._leave_at is not None and time.monotonic() >= self._leave_at:
-                    break
-                if cfg.max_epochs is not None and self.epoch >= cfg.max_epochs:
-                    break
-                if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
-                    break
-                batch = _on(self.device, next(batches))
-                try:
-                    loss = self.task.loss(self.model, batch)
-                except NotEnoughExperts as e:  # remote experts out of reach: try again, never die of it
-                    logger.warning("step skipped: %s", e)
-                    self._stop.wait(0.5)
-                    continue
-                loss.backward()
-                losses.append(loss.item())
-                samples += self.task.batch_size
-                epoch_before = self.epoch
-                self.optimizer.step(self.task.batch_size, loss.item())
-                if self.epoch != epoch_before:
-                    now = time.monotonic()
-                    self._epoch_s, epoch_started = now - epoch_started, now
-                    elapsed = max(now - window_start, 1e-9)
-                    self._log_epoch(sum(losses) / len(losses), samples / elapsed)
-                    samples, window_start, losses = 0, now, []
-                    if self._leave_at is not None and now + self._epoch_s > self._leave_at:
-                        break  # another epoch would not fit before we must go: leave between rounds
-        finally:
-            self._stopped.set()
+        while not self._stop.is_set():
+            if self._leave_at is not None and time.monotonic() >= self._leave_at:
+                break
+            if cfg.max_epochs is not None and self.epoch >= cfg.max_epochs:
+                break
+            if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
+                break
+            batch = _on(self.device, next(batches))
+            try:
+                loss = self.task.loss(self.model, batch)
+            except NotEnoughExperts as e:  # remote experts out of reach: try again, never die of it
+                logger.warning("step skipped: %s", e)
+                self._stop.wait(0.5)
+                continue
+            loss.backward()
+            losses.append(loss.item())
+            samples += self.task.batch_size
+            epoch_before = self.epoch
+            self.optimizer.step(self.task.batch_size, loss.item())
+            if self.epoch != epoch_before:
+                now = time.monotonic()
+                self._epoch_s, epoch_started = now - epoch_started, now
+                elapsed = max(now - window_start, 1e-9)
+                self._log_epoch(sum(losses) / len(losses), samples / elapsed)
+                samples, window_start, losses = 0, now, []
+                if self._leave_at is not None and now + self._epoch_s > self._leave_at:
+                    break  # another epoch would not fit before we must go: leave between rounds
 
     def renew_membership(self, token: str) -> None:
         """Take a renewed certificate (before the current one expires): new and open connections
@@ -219,6 +250,7 @@ class TrainingPeer:
         if cfg.min_peers <= 1:
             return
         optimizer = self.optimizer
+        assert optimizer is not None
         deadline = time.monotonic() + cfg.min_peers_timeout
         while not self._stop.is_set() and time.monotonic() < deadline:
             optimizer.keep_alive()  # our report must outlive the wait, however long the others take
@@ -262,6 +294,8 @@ class TrainingPeer:
 
     def _peers(self) -> int:
         opt = self.optimizer
+        if opt is None:
+            return 0
         if isinstance(opt, CollaborativeOptimizer):
             return opt.history[-1].group_size if opt.history else 1
         return opt.last_result.group_size if opt.last_result else 1
@@ -274,13 +308,19 @@ class TrainingPeer:
         long, leaving at the first epoch boundary after which another epoch would not fit, so the
         notice period is spent training instead of idle, and we still leave between rounds."""
         started = time.monotonic()
-        if train_for > 0 and not self._stop.is_set():
-            self._leave_at = started + min(train_for, deadline)
-            self._stopped.wait(timeout=min(train_for, deadline))
-        self._stop.set()
-        if not self._stopped.wait(timeout=max(deadline - (time.monotonic() - started), 0.0)):
-            logger.warning("training loop did not stop within %.1f s; leaving anyway", deadline)
-        self.optimizer.prepare_to_leave()
+        with self._run_lock:
+            running = self._running
+            if not running:  # a standby, or a peer never started: nothing to finish
+                self._stop.set()
+        if running:
+            if train_for > 0 and not self._stop.is_set():
+                self._leave_at = started + min(train_for, deadline)
+                self._stopped.wait(timeout=min(train_for, deadline))
+            self._stop.set()
+            if not self._stopped.wait(timeout=max(deadline - (time.monotonic() - started), 0.0)):
+                logger.warning("training loop did not stop within %.1f s; leaving anyway", deadline)
+        if self.optimizer is not None:
+            self.optimizer.prepare_to_leave()
         self.shutdown()
 
     def shutdown(self) -> None:

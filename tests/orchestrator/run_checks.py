@@ -124,6 +124,9 @@ class RecordingWorkers:
     def notify(self, instance, deadline_s) -> None:
         pass
 
+    def activate(self, instance) -> None:
+        pass
+
     def poll_left(self, instance_ids) -> list[str]:
         return []
 

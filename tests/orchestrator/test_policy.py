@@ -142,11 +142,15 @@ class FakeWorkers:
         self.alive: set[str] = set()  # instances whose worker is already running (adoption)
         self.refuse = False  # every worker fails to start (a broken image or boot script)
         self.dead: set[str] = set()  # instances whose worker died while the machine runs on
+        self.args: dict[str, dict[str, Any]] = {}  # what each placed worker started with
+        self.activated: list[str] = []
+        self.standby: set[str] = set()  # running workers that are warm spares (adoption)
         self._lock = threading.Lock()
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
         with self._lock:
             self.placed.append(instance.id)
+            self.args[instance.id] = dict(worker_args)
         if self.refuse:
             raise RuntimeError("the instance's node never joined")
         return f"peer-{instance.id}"
@@ -154,6 +158,10 @@ class FakeWorkers:
     def notify(self, instance: Instance, deadline_s: float) -> None:
         with self._lock:
             self.notified.append((instance.id, deadline_s))
+
+    def activate(self, instance: Instance) -> None:
+        with self._lock:
+            self.activated.append(instance.id)
 
     def poll_left(self, instance_ids: list[str]) -> list[str]:
         return [i for i in instance_ids if i in self.left]
@@ -168,17 +176,19 @@ class FakeWorkers:
     def running(self, instance: Instance) -> dict | None:
         if instance.id not in self.alive:
             return None
-        return {"peer_id": f"peer-{instance.id}", "address": f"/ip4/127.0.0.1/tcp/1/p2p/peer-{instance.id}"}
+        return {"peer_id": f"peer-{instance.id}", "address": f"/ip4/127.0.0.1/tcp/1/p2p/peer-{instance.id}",
+                "phase": "standby" if instance.id in self.standby else "idle"}
 
 
 def make_config(runs_dir: Path, *, spot_prices: dict[str, float] | None = None, min_workers: int = 0,
                 max_workers: int = 3, spot: dict | None = None, budget: dict | None = None,
-                every_s: float = 60.0) -> ClusterConfig:
+                every_s: float = 60.0, warm_spares: int = 0) -> ClusterConfig:
     return ClusterConfig.model_validate({
         "cluster_name": "c", "runs_dir": str(runs_dir),
         "provider": {"type": "local", "zones": ZONES},
         "available_node_types": {NODE: {
-            "min_workers": min_workers, "max_workers": max_workers, "on_demand_price_per_hour": 1.0,
+            "min_workers": min_workers, "max_workers": max_workers, "warm_spares": warm_spares,
+            "on_demand_price_per_hour": 1.0,
             "spot_price_per_hour": spot_prices or {"a": 0.3, "b": 0.4, "c": 0.5}, "spot": True}},
         "spot": spot or {}, "budget": budget or {}, "checkpoint": {"every_s": every_s},
         "dashboard": {"enabled": False},
@@ -639,6 +649,107 @@ def test_the_head_node_type_is_never_launched(make_rig: Callable[..., Rig]) -> N
     rig.policies[0].shutdown()
     settle(policy)
     assert rig.provider.specs == [] and policy.live == {}
+
+
+# ---- warm spares ----------------------------------------------------------------------------------
+def spares_of(rig: Rig) -> set[str]:
+    """The instances whose worker was started as a warm spare."""
+    return {i for i, args in rig.workers.args.items() if args.get("standby")}
+
+
+def test_warm_spares_launch_after_the_trainers_and_take_a_noticed_trainers_place(make_rig: Callable[..., Rig]) -> None:
+    """Two trainers and one spare.  A trainer's notice activates the spare at once (not a boot
+    later); the trainer's replacement becomes the next spare; the kill changes nothing more."""
+    rig = make_rig(max_workers=2, warm_spares=1)
+    policy = rig.policy
+    settle(policy)
+    first, second, spare = ids(rig)
+    assert spares_of(rig) == {spare} and policy.spares == {spare}
+    assert [e[2] for e in rig.store.events("standby")] == [spare]
+
+    now = rig.clock()
+    rig.provider.notice(first, now, now + 120)
+    settle(policy)
+    assert rig.workers.activated == [spare]
+    assert [e[2] for e in rig.store.events("activated")] == [spare]
+    (replacement,) = ids(rig, 3)
+    assert spares_of(rig) == {spare, replacement}  # started as spares, both
+    assert policy.spares == {replacement}  # the first one trains now
+
+    rig.provider.kill(first)
+    settle(policy)
+    assert sorted(policy.live) == sorted([second, spare, replacement])
+    assert len(rig.provider.specs) == 4 and rig.workers.activated == [spare]
+
+
+def test_a_noticed_spare_is_replaced_by_a_spare_and_a_trainer_lost_without_notice_by_one(
+        make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(max_workers=2, warm_spares=1)
+    policy = rig.policy
+    settle(policy)
+    first, second, spare = ids(rig)
+
+    preempt(rig, [spare])  # the spare's own notice: nobody takes the place of a spare
+    (new_spare,) = ids(rig, 3)
+    assert rig.workers.activated == [] and policy.spares == {new_spare} and new_spare in spares_of(rig)
+
+    kill(rig, [second])  # a trainer gone without a notice: the spare steps in when its end is seen
+    assert rig.workers.activated == [new_spare]
+    (replacement,) = ids(rig, 4)
+    assert policy.spares == {replacement} and replacement in spares_of(rig)
+    assert sorted(policy.live) == sorted([first, new_spare, replacement])
+
+
+def test_a_noticed_trainer_with_no_spare_left_gets_a_trainer_as_replacement(make_rig: Callable[..., Rig]) -> None:
+    """The spare noticed just before the trainer: no spare takes the place, so of the two
+    replacements one trains and one is the next spare."""
+    rig = make_rig(max_workers=1, warm_spares=1)
+    policy = rig.policy
+    settle(policy)
+    trainer, spare = ids(rig)
+    now = rig.clock()
+    rig.provider.notice(spare, now, now + 120)
+    rig.provider.notice(trainer, now, now + 120)
+    settle(policy)
+    assert rig.workers.activated == []
+    new_trainer, new_spare = ids(rig, 2)
+    assert not rig.workers.args[new_trainer].get("standby") and rig.workers.args[new_spare]["standby"]
+    assert policy.spares == {spare, new_spare}  # the noticed spare stays one until it ends
+
+
+def test_a_restarted_policy_knows_its_spares_from_their_workers(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(max_workers=2, warm_spares=1)
+    settle(rig.policy)
+    first, second, spare = ids(rig)
+    rig.policy.shutdown()
+
+    workers = FakeWorkers()
+    workers.alive = {first, second, spare}
+    workers.standby = {spare}
+    second_policy = rig.new_policy(workers)
+    second_policy.adopt(lost_at=rig.store.last_time())
+    settle(second_policy)
+    assert second_policy.spares == {spare} and len(rig.provider.specs) == 3
+
+    now = rig.clock()
+    rig.provider.notice(first, now, now + 120)
+    settle(second_policy)
+    assert workers.activated == [spare]
+
+
+def test_warm_spares_are_for_trainers_and_count_toward_the_averaging_group(tmp_path: Path) -> None:
+    from orchestrator.config_checks import config_problems
+
+    config = make_config(tmp_path, max_workers=3, warm_spares=2)
+    assert config.max_trainers() == 5 and config.max_instances() == 5
+    small = config.model_copy(update={"training": config.training.model_copy(update={"group_size": 4})})
+    assert any(path == ("training", "group_size") and "5 trainers" in message
+               for path, message in config_problems(small))
+    with pytest.raises(ValueError, match="warm_spares .* is for trainers"):
+        ClusterConfig.model_validate({
+            "cluster_name": "c", "provider": {"type": "local"},
+            "available_node_types": {"srv": {"role": "experts", "max_workers": 2, "warm_spares": 1}},
+        })
 
 
 def test_policy_module_imports_no_ray() -> None:

@@ -11,7 +11,13 @@ ray = pytest.importorskip("ray")
 
 from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.run_store import RunStore, summarize_costs  # noqa: E402
-from tests.orchestrator.run_checks import query, supervised, wait_until_preempted  # noqa: E402
+from tests.orchestrator.run_checks import (  # noqa: E402
+    event_time,
+    query,
+    supervised,
+    wait_for_first_step,
+    wait_until_preempted,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session")]
 
@@ -76,3 +82,25 @@ def test_the_budget_cap_is_never_exceeded(tmp_path, wait_for):
         assert store.events("budget_exhausted")
     finally:
         store.close()
+
+
+def test_a_warm_spare_takes_a_noticed_trainers_place_before_the_kill(tmp_path, wait_for):
+    """One trainer and one warm spare (real Ray actors): the trainer's notice activates the spare,
+    which steps before the trainer is even killed; the trainer's replacement boots as the next spare."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("notice_after_s,kill_after_s\n60,400\n,\n,\n")  # the trainer: notice, then 34 s (real) to the kill
+    config = cluster(tmp_path, provider={"trace_file": str(trace)},
+                     available_node_types={"small": {"min_workers": 1, "max_workers": 1, "warm_spares": 1}})
+    trainer, spare, replacement = (f"{config.cluster_name}-small-{i:04d}" for i in range(3))
+    with supervised(config) as (core, run_dir):
+        first_step = wait_for_first_step(run_dir, spare, wait_for, 150)
+        wait_for(lambda: query(run_dir, "SELECT 1 FROM events WHERE kind = 'standby' AND instance_id = ?",
+                               replacement), 60, "the trainer's replacement, as the next spare")
+        assert core.status()["warm_spares"] == 1  # the replacement, live and idle
+
+    assert event_time(run_dir, "notice", trainer) <= event_time(run_dir, "activated", spare) < first_step
+    (launched,), = query(run_dir, "SELECT launched_at FROM instances WHERE id = ?", trainer)
+    assert first_step < launched + 400  # the spare trained before the trainer's kill was even due
+    assert [i for _, i in query(run_dir, "SELECT kind, instance_id FROM events WHERE kind = 'standby' ORDER BY time")] \
+        == [spare, replacement]
+    assert query(run_dir, "SELECT instance_id FROM events WHERE kind = 'activated'") == [(spare,)]

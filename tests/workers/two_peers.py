@@ -23,12 +23,16 @@ def two_peers_training(**common) -> Iterator[list[TrainingPeer]]:
             t.start()
         yield peers
     finally:
-        leaving = [threading.Thread(target=p.prepare_to_leave, kwargs={"deadline": 10.0})
-                   for p in (a, b) if p is not None]
-        for t in leaving:
-            t.start()
-        for t in [*leaving, *threads]:
-            t.join(timeout=30)
+        leave_all([a, b], threads)
+
+
+def leave_all(peers: list[TrainingPeer | None], threads: list[threading.Thread]) -> None:
+    """Every peer leaves (concurrently, each within 10 s); then every thread is joined."""
+    leaving = [threading.Thread(target=p.prepare_to_leave, kwargs={"deadline": 10.0}) for p in peers if p is not None]
+    for t in leaving:
+        t.start()
+    for t in [*leaving, *threads]:
+        t.join(timeout=30)
 
 
 def assert_in_step(peers: list[TrainingPeer], after: int, before: int, at_least: int) -> None:
