@@ -82,7 +82,9 @@ def test_a_training_peer_reports_the_k_min_fraction_per_epoch(grid_server):
         peer.run()
         records = list(peer.history)
         assert [r["epoch"] for r in records] == [1, 2]
-        assert all(r["kmin_fraction"] == 1.0 and r["moe_calls"] >= 2 for r in records)
+        # an epoch holds at least one forward pass: two (8 samples of 4) unless the view, which extrapolates
+        # the last report by its rate, saw the target reached a step early on a loaded machine
+        assert all(r["kmin_fraction"] == 1.0 and r["moe_calls"] >= 1 for r in records), records
         totals = peer.moe_stats()
         assert totals["calls"] == sum(r["moe_calls"] for r in records) == totals["calls_meeting_k_min"]
     finally:
