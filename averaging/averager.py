@@ -22,7 +22,7 @@ from p2p.codecs import Codec
 from p2p.node import CallContext
 
 from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
-from .bandwidth import BandwidthMeter
+from .bandwidth import BandwidthMeter, ProbeSink, probe
 from .matchmaking import Matchmaker
 from .partition import FlatTensors, chunk_size_problem
 
@@ -120,6 +120,8 @@ class DecentralizedAverager:
         self._lock = asyncio.Lock()
         self.phase = "idle"  # or matchmaking / all-reduce: where a fault that hits this peer now lands
         node.p2p.register(self.method, self._rpc_allreduce, CallKind.BIDI)
+        self.probe_method = f"avg.probe.{prefix}"
+        node.p2p.register(self.probe_method, ProbeSink(), CallKind.CLIENT_STREAM)
 
     @property
     def bandwidth(self) -> float:
@@ -127,6 +129,26 @@ class DecentralizedAverager:
         if self.meter is not None:
             return self.matchmaker.declared(self.meter.estimate)
         return self.matchmaker.bandwidth
+
+    async def probe_bandwidth(self, peers: Sequence[Any], timeout: float = 30.0) -> float | None:
+        """Measure our upload before our first round, by streaming a few megabytes to ``peers``
+        (addresses or connected peer ids of this averager's swarm) at once; the figure (Mbit/s) is
+        declared from the next matchmaking on, like a round's.  None when the bandwidth is
+        configured, or nothing could be measured (the peers unreachable: logged, never raised)."""
+        if self.meter is None or not peers:
+            return None
+        ids = []
+        for peer in peers:
+            try:
+                ids.append(peer if isinstance(peer, PeerID) else await self.node.p2p.connect(peer, timeout))
+            except Exception as e:  # noqa: BLE001 - a dead peer only means one less to probe
+                logger.info("bandwidth probe: %s unreachable: %s", peer, e)
+        if not ids:
+            return None
+        figure = await probe(self.meter, self.node.p2p, self.probe_method, ids, timeout=timeout)
+        logger.info("bandwidth probe to %d peers: %s", len(ids),
+                    f"{figure:.0f} Mbit/s" if figure is not None else "nothing measured")
+        return figure
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -241,6 +263,7 @@ class DecentralizedAverager:
     async def shutdown(self) -> None:
         await self.matchmaker.close()
         self.node.p2p.unregister(self.method)
+        self.node.p2p.unregister(self.probe_method)
         for future in self._rounds.values():
             future.cancel()
         self._rounds.clear()

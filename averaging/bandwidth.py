@@ -18,7 +18,11 @@ it needs to know who is slow, not by how much the fast ones are fast).  The esti
 of the last ``window`` rounds' figures, capped at ``ceiling``: beyond about a gigabit per second a
 peer's CPU, not its link, bounds its part of a Python all-reduce, and near-equal fast links should
 split equally rather than by measurement noise.
-Until a round gave a figure, the estimate is ``default``.
+Until a round gave a figure, the estimate is ``default`` — unless the peer probed first: a newcomer
+streams ``PROBE_BYTES`` to each of a few live peers (``probe``, served by ``ProbeSink``) while the
+same sampling runs, so even its first round is split by a measured figure.  A sink counts and drops
+what it receives, at most ``PROBE_MAX_BYTES`` per call and ``PROBE_SLOTS`` calls at once: a probe
+can cost a peer a few megabytes of download, never its memory or more.
 """
 
 from __future__ import annotations
@@ -26,11 +30,17 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from p2p import P2P, PeerID
+from p2p.node import CallContext
 
 BITS_PER_MBIT = 1e6
+PROBE_BYTES = 4 << 20  # per peer probed: about 0.7 s at 50 Mbit/s, long enough for the rate samples
+PROBE_MESSAGE = 256 << 10
+PROBE_MAX_BYTES = 8 << 20  # what a sink accepts in one call
+PROBE_SLOTS = 2  # probes a sink serves at once
 
 
 class BandwidthMeter:
@@ -42,6 +52,7 @@ class BandwidthMeter:
         self.ceiling = ceiling
         self.interval = interval
         self._rounds: deque[float] = deque(maxlen=window)
+        self.last: float | None = None  # the newest figure, Mbit/s
 
     @property
     def estimate(self) -> float:
@@ -59,6 +70,7 @@ class BandwidthMeter:
         """One round's figure (Mbit/s); a figure that is not a positive finite number is ignored."""
         if 0 < mbit < float("inf"):
             self._rounds.append(float(mbit))
+            self.last = float(mbit)
 
     async def watch(self, p2p: P2P, peers: Sequence[PeerID]) -> None:
         """Sample the connections to ``peers`` until cancelled (the round ended), then add the
@@ -92,3 +104,63 @@ class BandwidthMeter:
         """Bytes/s: the best connection's median sample, or the median summed rate if larger; 0 if none."""
         best = max((statistics.median(s) for s in per_connection if s), default=0.0)
         return max(best, statistics.median(totals) if totals else 0.0)
+
+
+async def probe(meter: BandwidthMeter, p2p: P2P, method: str, peers: Sequence[PeerID], nbytes: int = PROBE_BYTES,
+                timeout: float = 30.0) -> float | None:
+    """Stream ``nbytes`` to each of ``peers``' sinks at once, sampling as in a round; the figure
+    (Mbit/s) the meter added, or None (nothing measured: every peer failed before data flowed)."""
+    before = meter.last
+    meter.last = None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    watching = asyncio.ensure_future(meter.watch(p2p, peers))
+    try:
+        sent = await asyncio.gather(*(_send_probe(p2p, method, peer, nbytes, timeout) for peer in peers),
+                                    return_exceptions=True)
+    finally:
+        elapsed = loop.time() - started
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    delivered = sum(r for r in sent if r == nbytes)
+    if meter.last is None and delivered and elapsed > 0:
+        # over before a sample could see data flow (a link far faster than the sampling interval):
+        # what arrived over how long it took, an underestimate that still lands at the ceiling
+        meter.add(delivered * 8 / elapsed / BITS_PER_MBIT)
+    figure = meter.last
+    if figure is None:
+        meter.last = before
+    return figure
+
+
+async def _send_probe(p2p: P2P, method: str, peer: PeerID, nbytes: int, timeout: float) -> int:
+    chunk = bytes(PROBE_MESSAGE)
+
+    async def payload() -> AsyncIterator[bytes]:
+        left = nbytes
+        while left > 0:
+            yield chunk[:left] if left < len(chunk) else chunk
+            left -= len(chunk)
+
+    return await p2p.call_client_stream(peer, method, payload(), timeout=timeout)
+
+
+class ProbeSink:
+    """The receiving end of ``probe``: counts and drops the bytes, answers with the count."""
+
+    def __init__(self, max_bytes: int = PROBE_MAX_BYTES, slots: int = PROBE_SLOTS) -> None:
+        self.max_bytes = max_bytes
+        self._slots = asyncio.Semaphore(slots)
+
+    async def __call__(self, requests: Any, ctx: CallContext) -> int:
+        if self._slots.locked():
+            raise RuntimeError(f"busy: already serving {PROBE_SLOTS} bandwidth probes")
+        async with self._slots:
+            received = 0
+            async for item in requests:
+                if not isinstance(item, bytes):
+                    raise ValueError(f"a bandwidth probe carries bytes, got {type(item).__name__}")
+                received += len(item)
+                if received > self.max_bytes:
+                    raise ValueError(f"a bandwidth probe is at most {self.max_bytes} bytes")
+            return received

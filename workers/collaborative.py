@@ -34,6 +34,7 @@ from .progress import GlobalProgress, PeerProgress, ProgressTracker
 from .state import StateSharer, StateUnavailable
 
 logger = logging.getLogger(__name__)
+PROBE_PEERS = 2  # peers a newcomer probes its upload to (see averaging/bandwidth.py)
 
 
 def signature_validator(dht: DHT) -> SignatureValidator:
@@ -125,6 +126,8 @@ class CollaborativeOptimizer:
             # newcomer that met only a restarting supervisor): never step alone from epoch 0 before
             # giving them one freshness period, or we would hold epochs the swarm passed long ago
             self._alone_not_before = time.monotonic() + self.tracker.fresh_for
+        elif load_state_on_start:
+            self._probe_upload()
         self._report(force=True, wait=True)  # the others count us from the first step on
         self._advertise(wait=True)
 
@@ -368,6 +371,20 @@ class CollaborativeOptimizer:
         self._advertise()  # a donor for the next newcomer at this epoch
         logger.info("loaded state of epoch %d from peers", epoch)
         return True
+
+    def _probe_upload(self) -> None:
+        """A newcomer measures its upload to a few of the peers it could load state from, in the
+        background while it trains its first epoch: its first round is then split by a measured
+        figure instead of the default (the others' figures come from their rounds)."""
+        if self.averager.meter is None:
+            return
+        me = str(self.dht.peer_id)
+
+        async def run(node: DHTNode) -> None:
+            peers = [address for _, address in await self.state.donors() if me not in address]
+            await self.averager.probe_bandwidth(peers[:PROBE_PEERS])
+
+        self.dht.spawn(run)
 
     def _catch_up(self, epoch: int) -> None:
         logger.info("behind: local epoch %d, global epoch %d; loading state", self.epoch, epoch)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from averaging.bandwidth import BandwidthMeter
+from averaging.bandwidth import PROBE_BYTES, BandwidthMeter
+from p2p.errors import RemoteError
 from p2p.tcp_info import read_tcp_info
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -77,6 +78,41 @@ def test_a_round_figure_adds_up_the_connections_that_share_the_uplink():
     assert BandwidthMeter.round_figure([], []) == 0.0
 
 
+@pytest.mark.timeout(60)
+async def test_a_probe_measures_before_any_round_and_a_sink_takes_only_what_it_allows():
+    import torch
+
+    from averaging import DecentralizedAverager
+    from dht import DHTNode
+
+    a = await DHTNode.create([])
+    b = await DHTNode.create([a.address])
+    averagers = [DecentralizedAverager([torch.zeros(16)], node, "probe") for node in (a, b)]
+    try:
+        prober, sink = averagers
+        assert prober.bandwidth == 100.0  # the default: no round yet
+        figure = await prober.probe_bandwidth([str(a.address), str(b.address)][1:])
+        assert figure is not None and figure > 0
+        assert prober.meter.rounds == [figure]  # counted as a round's figure would be
+        assert prober.bandwidth == min(figure, prober.meter.ceiling) != 100.0
+
+        with pytest.raises(RemoteError, match="at most 8388608 bytes"):  # more than a probe: refused, not kept
+            await b.p2p.call_client_stream(a.peer_id, sink.probe_method, [bytes(1 << 20)] * 9, timeout=20)
+        with pytest.raises(RemoteError, match="carries bytes, got dict"):
+            await b.p2p.call_client_stream(a.peer_id, sink.probe_method, [{"x": 1}], timeout=20)
+        assert await b.p2p.call_client_stream(a.peer_id, sink.probe_method, [bytes(10)] * 3, timeout=20) == 30
+        # a configured bandwidth is never probed; an unreachable peer measures nothing and raises nothing
+        assert await DecentralizedAverager([torch.zeros(16)], a, "fixed", bandwidth=40.0).probe_bandwidth(
+            [str(b.address)]) is None
+        assert await prober.probe_bandwidth(["/ip4/127.0.0.1/tcp/1"], timeout=2) is None
+        assert PROBE_BYTES <= 8 << 20
+    finally:
+        for averager in averagers:
+            await averager.shutdown()
+        await b.shutdown()
+        await a.shutdown()
+
+
 PEER = """
 import asyncio, json, sys, torch
 from averaging import DecentralizedAverager
@@ -87,11 +123,13 @@ async def main(host, bootstrap):
     print(json.dumps({"addr": str(node.address)}), flush=True)
     averager = DecentralizedAverager([torch.ones(1 << 21)], node, "bw", target_group_size=2,
                                      min_matchmaking_time=1.0, allreduce_timeout=60.0)
+    probed = await averager.probe_bandwidth([bootstrap]) if bootstrap != '-' else None
+    probe = {"probed": probed, "declared": averager.bandwidth}
     figures = []
     for _ in range(3):
         result = await averager.step(timeout=90.0)
         figures.append({"group": result.group_size, "declared": averager.bandwidth})
-    print(json.dumps({"rounds": figures, "measured": averager.meter.rounds}), flush=True)
+    print(json.dumps({"probe": probe, "rounds": figures, "measured": averager.meter.rounds}), flush=True)
     await asyncio.sleep(1.0)  # the other peer's last round may still read from us
     await averager.shutdown()
     await node.shutdown()
@@ -129,15 +167,16 @@ def two_shaped_links():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                     reason="network namespaces and tc need root and iproute2")
 def test_peers_told_nothing_declare_the_rates_of_their_own_links(two_shaped_links):
+    """The fast peer starts; the slow one joins it and probes its upload before any round."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
     try:
-        first = subprocess.Popen(["ip", "netns", "exec", two_shaped_links[0], sys.executable, "-c", PEER,
-                                  "10.88.0.1", "-"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        first = subprocess.Popen(["ip", "netns", "exec", two_shaped_links[1], sys.executable, "-c", PEER,
+                                  "10.88.0.2", "-"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         procs.append(first)
         address = json.loads(first.stdout.readline())["addr"]
-        second = subprocess.Popen(["ip", "netns", "exec", two_shaped_links[1], sys.executable, "-c", PEER,
-                                   "10.88.0.2", address], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        second = subprocess.Popen(["ip", "netns", "exec", two_shaped_links[0], sys.executable, "-c", PEER,
+                                   "10.88.0.1", address], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         procs.append(second)
         second.stdout.readline()
         results = [json.loads(p.stdout.readline()) for p in procs]
@@ -152,7 +191,13 @@ def test_peers_told_nothing_declare_the_rates_of_their_own_links(two_shaped_link
     for result in results:
         assert [r["group"] for r in result["rounds"]] == [2, 2, 2], result
         assert result["rounds"][0]["declared"] != 100.0  # measured from the first round on
-    slow, fast = (r["rounds"][-1]["declared"] for r in results)
+    fast_result, slow_result = results
+    assert fast_result["probe"] == {"probed": None, "declared": 100.0}  # nobody to probe: the default
+    probed = slow_result["probe"]["probed"]
+    # probed before its first round: the slow sender declares its link's rate from the start
+    assert probed is not None and 0.7 * 20 <= probed <= 1.3 * 20 and slow_result["probe"]["declared"] == probed, \
+        results
+    slow, fast = slow_result["rounds"][-1]["declared"], fast_result["rounds"][-1]["declared"]
     # the slow link is what its sender measures: the shaper's rate, give or take its bucket's bursts
     assert 0.75 * 20 <= slow <= 1.25 * 20, results
     # the fast sender gets less than its link: its ACKs come back through the slow peer's full queue

@@ -5,6 +5,7 @@ from epoch 0.  Real peers on real sockets, each on its own thread of this proces
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -25,7 +26,8 @@ def progress_records(peer: TrainingPeer) -> int:
 
 
 @pytest.mark.timeout(90)
-def test_a_spare_is_not_counted_until_activated_then_trains_in_step_from_the_swarms_epoch(wait_for):
+def test_a_spare_is_not_counted_until_activated_then_trains_in_step_from_the_swarms_epoch(wait_for, caplog):
+    caplog.set_level(logging.INFO, logger="averaging.averager")
     trainer = TrainingPeer(WorkerConfig(seed=0, **COMMON))
     spare = None
     threads: list[threading.Thread] = []
@@ -53,6 +55,8 @@ def test_a_spare_is_not_counted_until_activated_then_trains_in_step_from_the_swa
         assert len(shared) >= 2
         assert all(mine[e] == theirs[e] for e in shared)  # the same parameters at every shared epoch
         assert {r.group_size for r in spare.optimizer.history} == {2}  # every step taken together
+        # having loaded state, it measured its upload to the trainer before its first round
+        assert re.search(r"bandwidth probe to 1 peers: \d+ Mbit/s", caplog.text), caplog.text
     finally:
         leave_all([trainer, spare], threads)
 
