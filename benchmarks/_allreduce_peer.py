@@ -152,6 +152,9 @@ async def main(args: argparse.Namespace) -> None:
                     **({"chunk_size": args.chunk_size} if args.chunk_size else {}),
                     **({"window": args.window} if args.window else {}))
                 emit({"avg_ready": cmd[1]})
+            elif cmd[0] == "probe" and averager is not None:  # probe <address,address,...>: measure our upload
+                figure = await averager.probe_bandwidth(cmd[1].split(",") if len(cmd) > 1 else [])
+                emit({"probed": figure, "bandwidth": averager.bandwidth})
             elif cmd[0] == "prep":
                 rnd = int(cmd[1])
                 fill(tensor, args.seed + 1000 * (rnd + 1))

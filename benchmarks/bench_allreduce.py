@@ -11,9 +11,11 @@ Part 2, shaped links: every peer in its own network namespace (``arbench-*``, 10
 and removed by this script), joined by a bridge in another one, its egress and ingress shaped with
 tbf to its bandwidth; measured rounds are compared with the bandwidth-optimal bound of the
 load-balancing LP (``averaging.load_balancing.optimal_shares``), and so is a raw-socket exchange
-of the same parts.  Three cases: equal links, mixed links with every peer told its bandwidth, and
-the same mixed links with none told (each measures its own, the default: ``averaging/bandwidth.py``;
-its figure is the median of the rounds after the first, which splits by the default and measures).
+of the same parts.  Four cases: equal links, mixed links with every peer told its bandwidth, the
+same mixed links with none told (each measures its own, the default: ``averaging/bandwidth.py``;
+its figure is the median of the rounds after the first, which splits by the default and measures),
+and those again with every peer probing its upload to two others before the first round (as a
+collaborative newcomer does; not in ``--quick``): its first round is the figure to compare.
 Needs root and iproute2; otherwise it prints "skipped: <reason>".
 
 ``--vs-hivemind``: the same Part 1 rounds with the reference library's averager
@@ -101,6 +103,7 @@ class AvgRun:
     peak_pss_kb: int = 0
     errors: list[str] = field(default_factory=list)
     part_sizes: list[int] = field(default_factory=list)
+    probed: list[float | None] = field(default_factory=list)  # Mbit/s each member's probe measured
 
     def median(self, key: str) -> float | None:
         return median([r[key] for r in self.rounds if r.get("ok")])
@@ -145,6 +148,7 @@ class PeerSet:
                  profile_dir: str = "", extra_args: Sequence[str] = ()) -> None:
         self.impl, self.n, self.size, self.round_timeout = impl, n, size, round_timeout
         self.children: list[Child] = []
+        self.addrs: list[str | None] = [None] * n  # each peer's listening address (None: client mode)
         self.rss_kb: list[int] = []
         try:
             for i in range(n):
@@ -167,19 +171,22 @@ class PeerSet:
             # the first non-client peer bootstraps the DHT; the others join it
             first = next(i for i in range(n) if i not in clients)
             self.children[first].send("init -")
-            boot = self.children[first].recv("ready", deadline)["addr"]
+            boot = self.addrs[first] = self.children[first].recv("ready", deadline)["addr"]
             others = [c for i, c in enumerate(self.children) if i != first]
             for c in others:
                 c.send(f"init {boot}")
-            for c in others:
-                c.recv("ready", deadline)
+            for i, c in enumerate(self.children):
+                if i != first:
+                    self.addrs[i] = c.recv("ready", deadline)["addr"]
         except BaseException:
             self.close()
             raise
 
     def run(self, members: Sequence[int], rounds: int, prefix: str, bandwidths: Sequence[float] | None = None,
-            sample_pss: bool = False) -> AvgRun:
-        """``rounds`` synchronized rounds of the group ``members``; every result is checked."""
+            sample_pss: bool = False, probe: bool = False) -> AvgRun:
+        """``rounds`` synchronized rounds of the group ``members``; every result is checked.  ``probe``:
+        before the first round, each member in turn probes its upload to two of the others (as a
+        collaborative newcomer does to the peers it loads state from)."""
         n, size = len(members), self.size
         run = AvgRun(self.impl, n, size)
         peers = [self.children[i] for i in members]
@@ -190,6 +197,12 @@ class PeerSet:
                     c.send(f"avg {prefix} {n} {bandwidths[k] if bandwidths else 'measured'}")
                 for c in peers:
                     c.recv("avg_ready", deadline)
+                if probe:
+                    listening = [(i, self.addrs[i]) for i in members if self.addrs[i] is not None]
+                    for k, c in zip(members, peers, strict=True):  # one at a time, as newcomers arrive
+                        targets = [a for i, a in listening if i != k][:2]
+                        c.send(f"probe {','.join(targets)}")
+                        run.probed.append(c.recv("probed", time.monotonic() + 60)["probed"])
             pids = [c.proc.pid for c in peers]
             sampler = PeakSampler(lambda: tree_pss_kb(pids)) if sample_pss else None
             for rnd in range(rounds):
@@ -393,10 +406,11 @@ SHAPED_CASES = [  # label, link rates (Mbit/s), whether the last peer is in clie
     ("equal", [100.0, 100.0, 100.0, 100.0], False, True),
     ("mixed", [200.0, 100.0, 50.0, 100.0], True, True),
     ("measured", [200.0, 100.0, 50.0, 100.0], True, False),
+    ("probed", [200.0, 100.0, 50.0, 100.0], True, False),  # measured, each peer probing before round 1
 ]
 
 
-def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float]) -> list[dict]:
+def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float], quick: bool = False) -> list[dict]:
     """Both shaped cases on one star: processes 0-3 listen in p0-p3; process 4, a client-mode peer in
     p3 (same link), stands in for peer 3 in the mixed case."""
     cleanup_namespaces()
@@ -410,6 +424,8 @@ def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float]) 
                         round_timeout=60)
         stages["shaped start"] = time.monotonic() - t0
         for label, links, last_is_client, told in SHAPED_CASES:
+            if quick and label == "probed":
+                continue  # --quick keeps to its minute
             t0 = time.monotonic()
             shape_links(names, links)
             clients = [3] if last_is_client else []
@@ -423,7 +439,7 @@ def run_shaped(size: int, rounds: int, raw_reps: int, stages: dict[str, float]) 
             # measured: the first round splits by the default bandwidth and measures; the figure is the
             # median of the rounds after it
             run = peers.run(members, rounds if told else rounds + 1, prefix=f"s{label}",
-                            bandwidths=links if told else None)
+                            bandwidths=links if told else None, probe=label == "probed")
             # the LP's bound assumes a reducer can return each averaged byte as soon as it arrived: the
             # raw run sends all-gather bytes without waiting, the pure transport's time for these parts
             raw = run_raw(part_sizes(size, shares), raw_reps, namespaces=names, hosts=hosts, clients=clients,
@@ -616,7 +632,7 @@ def run_part2(args: argparse.Namespace, stages: dict[str, float]) -> tuple[int, 
         print(f"Part 2 (shaped links) skipped: {reason}")
         return size, rounds, []
     try:
-        return size, rounds, run_shaped(size, rounds, 1 if args.quick else rounds, stages)
+        return size, rounds, run_shaped(size, rounds, 1 if args.quick else rounds, stages, quick=args.quick)
     except (subprocess.SubprocessError, OSError) as e:
         err = getattr(e, "stderr", "") or e
         print(f"Part 2 (shaped links) skipped: namespace setup failed: {str(err).strip()}")
@@ -641,7 +657,11 @@ def print_shaped(size: int, rounds: int, cases: list[dict]) -> None:
             print(f"  !! raw {c['label']}: {e}")
         if c["run"].part_sizes:
             print(f"       parts used by the group (leader first): {c['run'].part_sizes}")
-        if not c["told"]:
+        if c["run"].probed:
+            probed = "/".join(fmt(b, ".0f") for b in c["run"].probed)
+            print(f"       probed before the first round: {probed} Mbit/s (links 200/100/50/100c, in that order); the "
+                  f"first round, split by those, took {fmt(c['first_round_s'])} s")
+        elif not c["told"]:
             declared = "/".join(fmt(b, ".0f") for b in c["declared"])
             print(f"       no bandwidths configured: the peers measured {declared} Mbit/s (in group order); "
                   f"the first round, split by the default 100 each, took {fmt(c['first_round_s'])} s")
@@ -660,6 +680,9 @@ def shaped_figures(cases: list[dict]) -> dict:
         figures[f"shaped_raw_fraction_of_bound_{c['label']}"] = c["raw_fraction"]
         if not c["told"]:
             figures[f"shaped_declared_mbit_{c['label']}"] = c["declared"]
+            figures[f"shaped_first_round_s_{c['label']}"] = c["first_round_s"] if ok else None
+        if c["run"].probed:
+            figures[f"shaped_probed_mbit_{c['label']}"] = c["run"].probed
     figures["shaped_fraction_of_bound"] = figures["shaped_fraction_of_bound_mixed"]
     return figures
 
