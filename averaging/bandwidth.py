@@ -21,8 +21,9 @@ split equally rather than by measurement noise.
 Until a round gave a figure, the estimate is ``default`` — unless the peer probed first: a newcomer
 streams ``PROBE_BYTES`` to each of a few live peers (``probe``, served by ``ProbeSink``) while the
 same sampling runs, so even its first round is split by a measured figure.  A sink counts and drops
-what it receives, at most ``PROBE_MAX_BYTES`` per call and ``PROBE_SLOTS`` calls at once: a probe
-can cost a peer a few megabytes of download, never its memory or more.
+what it receives, at most ``PROBE_MAX_BYTES`` per call, ``PROBE_SLOTS`` calls at once and
+``PROBE_MAX_SECONDS`` per call: a probe can cost a peer a few megabytes of download, never its
+memory, and a stalled caller cannot hold the slots.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ PROBE_BYTES = 4 << 20  # per peer probed: about 0.7 s at 50 Mbit/s, long enough 
 PROBE_MESSAGE = 256 << 10
 PROBE_MAX_BYTES = 8 << 20  # what a sink accepts in one call
 PROBE_SLOTS = 2  # probes a sink serves at once
+PROBE_MAX_SECONDS = 60.0  # how long a sink serves one call: a caller that stalls does not keep its slot
 
 
 class BandwidthMeter:
@@ -52,7 +54,7 @@ class BandwidthMeter:
         self.ceiling = ceiling
         self.interval = interval
         self._rounds: deque[float] = deque(maxlen=window)
-        self.last: float | None = None  # the newest figure, Mbit/s
+        self.last: float | None = None  # the newest figure (Mbit/s); ``probe`` clears it to see its own
 
     @property
     def estimate(self) -> float:
@@ -110,7 +112,6 @@ async def probe(meter: BandwidthMeter, p2p: P2P, method: str, peers: Sequence[Pe
                 timeout: float = 30.0) -> float | None:
     """Stream ``nbytes`` to each of ``peers``' sinks at once, sampling as in a round; the figure
     (Mbit/s) the meter added, or None (nothing measured: every peer failed before data flowed)."""
-    before = meter.last
     meter.last = None
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -127,10 +128,7 @@ async def probe(meter: BandwidthMeter, p2p: P2P, method: str, peers: Sequence[Pe
         # over before a sample could see data flow (a link far faster than the sampling interval):
         # what arrived over how long it took, an underestimate that still lands at the ceiling
         meter.add(delivered * 8 / elapsed / BITS_PER_MBIT)
-    figure = meter.last
-    if figure is None:
-        meter.last = before
-    return figure
+    return meter.last
 
 
 async def _send_probe(p2p: P2P, method: str, peer: PeerID, nbytes: int, timeout: float) -> int:
@@ -148,19 +146,28 @@ async def _send_probe(p2p: P2P, method: str, peer: PeerID, nbytes: int, timeout:
 class ProbeSink:
     """The receiving end of ``probe``: counts and drops the bytes, answers with the count."""
 
-    def __init__(self, max_bytes: int = PROBE_MAX_BYTES, slots: int = PROBE_SLOTS) -> None:
+    def __init__(self, max_bytes: int = PROBE_MAX_BYTES, slots: int = PROBE_SLOTS,
+                 max_seconds: float = PROBE_MAX_SECONDS) -> None:
         self.max_bytes = max_bytes
+        self.slots = slots
+        self.max_seconds = max_seconds
         self._slots = asyncio.Semaphore(slots)
 
     async def __call__(self, requests: Any, ctx: CallContext) -> int:
         if self._slots.locked():
-            raise RuntimeError(f"busy: already serving {PROBE_SLOTS} bandwidth probes")
+            raise RuntimeError(f"busy: already serving {self.slots} bandwidth probes")
         async with self._slots:
-            received = 0
-            async for item in requests:
-                if not isinstance(item, bytes):
-                    raise ValueError(f"a bandwidth probe carries bytes, got {type(item).__name__}")
-                received += len(item)
-                if received > self.max_bytes:
-                    raise ValueError(f"a bandwidth probe is at most {self.max_bytes} bytes")
-            return received
+            try:
+                return await asyncio.wait_for(self._count(requests), self.max_seconds)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"a bandwidth probe takes at most {self.max_seconds:g} s") from None
+
+    async def _count(self, requests: Any) -> int:
+        received = 0
+        async for item in requests:
+            if not isinstance(item, bytes):
+                raise ValueError(f"a bandwidth probe carries bytes, got {type(item).__name__}")
+            received += len(item)
+            if received > self.max_bytes:
+                raise ValueError(f"a bandwidth probe is at most {self.max_bytes} bytes")
+        return received

@@ -523,6 +523,11 @@ class FleetPolicy:
                    and i.id not in self.spares)
         return live + sum(1 for s in launching if s.node_type == node_type and s.instance_id not in self.spares)
 
+    def idle_spares(self) -> int:
+        """Warm spares up and waiting (launched, not noticed).  Safe from another thread: the set is
+        copied first, in one C call."""
+        return sum(1 for i in set(self.spares) if i in self.live and i not in self.noticed)
+
     def _worker_args_of(self, instance_id: str, node_type: str) -> dict[str, Any]:
         args = self.worker_args(node_type)
         return {**args, "standby": True} if instance_id in self.spares else args

@@ -427,8 +427,7 @@ class SupervisorCore:
         return {
             "cluster": self.config.cluster_name, "status": policy.status_text, "time": self.clock(),
             "live": len(policy.live), "pending": len(policy.pending) + policy.launching, "epoch": self.epoch,
-            # copied first (one C call): the policy's thread changes the set while others read the status
-            "warm_spares": len([i for i in set(policy.spares) if i in policy.live and i not in policy.noticed]),
+            "warm_spares": policy.idle_spares(),
             "address": self.address, "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
             "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
             "experts": self.experts.summary() if self.experts is not None else None,

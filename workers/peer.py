@@ -125,8 +125,7 @@ class TrainingPeer:
         # imports torch._dynamo, seconds of CPU that a spare pays before it is needed
         self._local_optimizer = self.task.make_optimizer(self.model.parameters())
         self._scheduler = self.task.make_scheduler(self._local_optimizer) if self.task.make_scheduler else None
-        self.optimizer: CollaborativeOptimizer | MoshpitSGD | None = None
-        self.standby = standby
+        self.optimizer: CollaborativeOptimizer | MoshpitSGD | None = None  # None: a standby, until join
         if not standby:
             self.join()
         self._stop = threading.Event()
@@ -154,7 +153,6 @@ class TrainingPeer:
                                         averaging_period=config.averaging_period,
                                         averaging_timeout=config.averaging_timeout, compression=config.compression,
                                         max_group_size=config.group_size, bandwidth=config.bandwidth)
-        self.standby = False
 
     @property
     def address(self) -> str | None:

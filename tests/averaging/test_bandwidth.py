@@ -4,6 +4,7 @@ the rate of their own link, told nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from averaging.bandwidth import PROBE_BYTES, BandwidthMeter
+from averaging.bandwidth import BandwidthMeter, ProbeSink
 from p2p.errors import RemoteError
 from p2p.tcp_info import read_tcp_info
 
@@ -91,7 +92,7 @@ async def test_a_probe_measures_before_any_round_and_a_sink_takes_only_what_it_a
     try:
         prober, sink = averagers
         assert prober.bandwidth == 100.0  # the default: no round yet
-        figure = await prober.probe_bandwidth([str(a.address), str(b.address)][1:])
+        figure = await prober.probe_bandwidth([str(b.address)])
         assert figure is not None and figure > 0
         assert prober.meter.rounds == [figure]  # counted as a round's figure would be
         assert prober.bandwidth == min(figure, prober.meter.ceiling) != 100.0
@@ -105,13 +106,32 @@ async def test_a_probe_measures_before_any_round_and_a_sink_takes_only_what_it_a
         assert await DecentralizedAverager([torch.zeros(16)], a, "fixed", bandwidth=40.0).probe_bandwidth(
             [str(b.address)]) is None
         assert await prober.probe_bandwidth(["/ip4/127.0.0.1/tcp/1"], timeout=2) is None
-        assert PROBE_BYTES <= 8 << 20
     finally:
         for averager in averagers:
             await averager.shutdown()
         await b.shutdown()
         await a.shutdown()
 
+
+@pytest.mark.timeout(30)
+async def test_a_stalled_prober_loses_its_slot_and_a_full_sink_says_it_is_busy(until):
+    from p2p import P2P, CallKind
+
+    sink_node, caller = await P2P.create(), await P2P.create()
+    sink = ProbeSink(slots=1, max_seconds=3.0)
+    sink_node.register("probe", sink, CallKind.CLIENT_STREAM)
+    try:
+        stalled = await caller.open(sink_node.address, "probe", timeout=20)
+        await stalled.send(bytes(10))  # and never finishes: it holds the only slot until its time is up
+        await until(lambda: sink._slots.locked(), 10, "the stalled probe to hold the slot")
+        with pytest.raises(RemoteError, match="busy: already serving 1"):
+            await caller.call_client_stream(sink_node.address, "probe", [bytes(10)], timeout=20)
+        with pytest.raises(RemoteError, match="takes at most 3 s"):
+            await stalled.recv()
+        await stalled.aclose()
+        assert await caller.call_client_stream(sink_node.address, "probe", [bytes(10)], timeout=20) == 10
+    finally:
+        await asyncio.gather(caller.shutdown(), sink_node.shutdown())
 
 PEER = """
 import asyncio, json, sys, torch
