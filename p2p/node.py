@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import sys
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ from .membership import Certificate, Membership
 from .tcp_info import TcpInfo, read_tcp_info
 from .throttle import Throttle, check_rate
 from .wire import EncodeError, Encoder, FrameBudget
+
+EAGER_TASKS = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
 
 logger = logging.getLogger(__name__)
 _NOTHING: Any = object()
@@ -251,12 +254,9 @@ class P2P:
             stream.push(h.get("p"), size)
         if h.get("e"):
             stream.push_eof()
-        coro = self._serve(entry, conn, stream, h)
-        try:
-            first = coro.send(None)  # run eagerly: most handlers answer without waiting on anything
-        except StopIteration:
+        task = self._start_eagerly(self._serve(entry, conn, stream, h))
+        if task is None:
             return
-        task = self.loop.create_task(_Resumed(coro, first))
         conn.handlers[sid] = task
         self._handler_tasks.add(task)
         timeout = h.get("d")
@@ -264,6 +264,22 @@ class P2P:
             timer = self.loop.call_later(timeout, task.cancel, "the call's deadline passed")
             task.add_done_callback(lambda _: timer.cancel())
         task.add_done_callback(self._handler_tasks.discard)
+
+    def _start_eagerly(self, coro: Coroutine) -> asyncio.Task | None:
+        """A handler's task, its first step already run (most handlers answer without waiting on
+        anything); None if it finished there.  Python 3.12+ runs that step inside the task, so code
+        that needs a current task (``asyncio.timeout``, 3.12's ``wait_for``) works from the first line."""
+        if EAGER_TASKS:
+            task = asyncio.Task(coro, loop=self.loop, eager_start=True)
+            if task.done():
+                task.result()  # an exception the handler let out reaches the caller, as it did eagerly
+                return None
+            return task
+        try:
+            first = coro.send(None)
+        except StopIteration:
+            return None
+        return self.loop.create_task(_Resumed(coro, first))
 
     async def _serve(self, entry: tuple[Handler, CallKind], conn: Connection, stream: Stream, h: dict) -> None:
         fn, kind = entry
@@ -654,7 +670,8 @@ class P2P:
 
 
 class _Resumed(Coroutine):
-    """A coroutine that was started eagerly, continued inside a Task (what 3.12's eager tasks do).
+    """A coroutine that was started eagerly, continued inside a Task (what 3.12's eager tasks do;
+    before 3.12 the first step has no current task).
 
     A class, not a generator: a task cancelled before its first step throws into the coroutine it
     runs, and a generator that has not started yet would end there without passing the throw on,

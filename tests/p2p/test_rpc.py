@@ -95,6 +95,27 @@ async def test_server_streaming_client_streaming_and_bidi(pair):
         assert [x async for x in call] == []
 
 
+async def test_a_handler_may_bound_its_work_with_wait_for_from_its_first_line(pair):
+    """Handlers start eagerly (their first step runs as the request arrives).  On Python 3.12+ that
+    step must run inside the handler's task: 3.12's ``wait_for`` needs a current task, and a
+    bandwidth probe's sink, bounded this way, refused every probe there."""
+    a, b = pair
+
+    async def added(requests):
+        return sum([x async for x in requests])
+
+    async def total(requests, ctx):
+        return await asyncio.wait_for(added(requests), 5.0)
+
+    async def bounded(request, ctx):
+        return await asyncio.wait_for(asyncio.sleep(0, request + 1), 5.0)
+
+    b.register("total", total, CallKind.CLIENT_STREAM)
+    b.register("bounded", bounded)
+    assert await a.call_client_stream(b.address, "total", range(10)) == 45
+    assert await a.call(b.address, "bounded", 41) == 42
+
+
 async def test_64mib_tensor_roundtrip_is_bit_exact(pair):
     a, b = pair
     b.register("echo", echo)
