@@ -418,6 +418,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
         ctx.groups = {key: groups[key] for key in results}
         ctx.served = served
         ctx.save_for_backward(x)
+        out, answered = out.to(x.device), answered.to(x.device)  # assembled in host memory, as answers arrive
         ctx.mark_non_differentiable(answered)
         return out, answered
 
@@ -440,7 +441,8 @@ class _RemoteMixtureCall(torch.autograd.Function):
             rows = groups[key][0]
             counts[rows] += 1
             if grad_inputs and grad_inputs[0] is not None:
-                grad_x.index_add_(0, torch.tensor(rows, dtype=torch.long), grad_inputs[0].to(x.dtype))
+                grad_x.index_add_(0, torch.tensor(rows, dtype=torch.long, device=x.device),
+                                  grad_inputs[0].to(x.device, x.dtype))
         needs = np.zeros(x.shape[0], dtype=bool)
         for rows, _ in groups.values():
             needs[rows] = True  # rows that had an answer in forward; the others have nothing to send

@@ -179,6 +179,8 @@ class _RemoteExpertCall(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         outputs = expert.client.run(call_forward(expert.client.p2p, expert.address, expert.uid, inputs,
                                                  expert.forward_timeout, expert.compression))
+        device = inputs[0].device if inputs else torch.device("cpu")  # answers arrive in host memory
+        outputs = [o.to(device) for o in outputs]
         ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
         return tuple(outputs)
 
@@ -189,4 +191,4 @@ class _RemoteExpertCall(torch.autograd.Function):
         inputs = ctx.saved_tensors
         grads = expert.client.run(call_backward(expert.client.p2p, expert.address, expert.uid, inputs,
                                                 grad_outputs, expert.backward_timeout, expert.compression))
-        return (None, None, *grads)
+        return (None, None, *(g if g is None else g.to(i.device) for g, i in zip(grads, inputs, strict=True)))
