@@ -7,6 +7,8 @@ over the wrapped torch optimizer does on a micro-step instead: adding the gradie
 accumulators.  Peer B steps on a thread meanwhile, so A's view holds a live peer.  Also timed: one
 blocking read of the swarm's progress from the DHT, what a micro-step would pay for a lookup.
 
+``--device cuda``: both models, their gradients and the accumulators on the GPU.
+
 Prints one JSON line: medians and p90s in microseconds.
 """
 
@@ -29,11 +31,11 @@ from workers.collaborative import CollaborativeOptimizer  # noqa: E402
 from workers.task import load_task  # noqa: E402
 
 
-def make_peer(initial: list[str]) -> tuple[DHT, CollaborativeOptimizer, torch.nn.Module]:
+def make_peer(initial: list[str], device: torch.device) -> tuple[DHT, CollaborativeOptimizer, torch.nn.Module]:
     identity = Identity()
     dht = DHT(initial, host="127.0.0.1", validators=[SignatureValidator(identity)], identity=identity)
     task = load_task("charlm")
-    model = task.model(seed=0)
+    model = task.model(seed=0).to(device)  # before its optimizer sees it
     opt = CollaborativeOptimizer(task.make_optimizer(model.parameters()), dht, "microstep",
                                  target_batch_size=10**12, load_state_on_start=bool(initial))
     return dht, opt, model
@@ -47,10 +49,14 @@ def fill_grads(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dht_a, opt_a, model_a = make_peer([])
-    dht_b, opt_b, model_b = make_peer(dht_a.addresses)
+    device = torch.device(args.device)
+    # on a GPU both timed regions wait for their kernels: each then counts the work it queued, not its launch
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dht_a, opt_a, model_a = make_peer([], device)
+    dht_b, opt_b, model_b = make_peer(dht_a.addresses, device)
     grads = [torch.randn_like(p) for p in model_a.parameters()]
     stop = threading.Event()
 
@@ -66,16 +72,20 @@ def main() -> None:
     step_us, plain_us, read_us = [], [], []
     def timed_step() -> None:
         fill_grads(model_a, grads)
+        sync()
         t = time.perf_counter()
         opt_a.step(16)
+        sync()
         step_us.append((time.perf_counter() - t) * 1e6)
 
     def timed_plain() -> None:
         fill_grads(model_a, grads)
+        sync()
         t = time.perf_counter()
         for p, acc in zip(model_a.parameters(), accumulators, strict=True):  # what a local loop does instead
             acc.add_(p.grad)
             p.grad = None
+        sync()
         plain_us.append((time.perf_counter() - t) * 1e6)
 
     for i in range(args.steps):
@@ -92,7 +102,8 @@ def main() -> None:
         opt.prepare_to_leave()
         dht.shutdown()
     step_med, plain_med = percentile(step_us, 0.5), percentile(plain_us, 0.5)
-    emit({"steps": args.steps, "params": sum(g.numel() for g in grads), "live_peers_seen": view.live_peers,
+    emit({"steps": args.steps, "device": device.type, "params": sum(g.numel() for g in grads),
+          "live_peers_seen": view.live_peers,
           "step_us_p50": step_med, "step_us_p90": percentile(step_us, 0.9),
           "accumulate_us_p50": plain_med, "accumulate_us_p90": percentile(plain_us, 0.9),
           "overhead_us_p50": step_med - plain_med, "dht_read_us_p50": percentile(read_us, 0.5)})

@@ -58,7 +58,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from _common import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project, not installed
+
+from _common import (  # noqa: E402
     BENCH_PY,
     HERE,
     HIVEMIND_MISSING,
@@ -181,16 +183,18 @@ class RunResult:
 
 
 def peer_argv(impl: str, i: int, n: int, run_id: str, report: str, initial: str | None, max_epochs: int,
-              max_seconds: float, hm_opts: dict) -> list[str]:
+              max_seconds: float, opts: dict) -> list[str]:
+    """One peer's command line; ``opts``: ours' device, or hivemind's matchmaking and averaging timeouts."""
     if impl == "ours":
         argv = [sys.executable, "-m", "orchestrator.cli", "worker", "--run", run_id, "--task", TASK,
                 "--target-batch-size", str(TARGET_BATCH), "--min-peers", str(n), "--max-epochs", str(max_epochs),
-                "--max-seconds", str(max_seconds), "--seed", str(i), "--report-file", report]
+                "--max-seconds", str(max_seconds), "--seed", str(i), "--report-file", report,
+                "--device", opts["device"]]
     else:
         argv = [BENCH_PY, HIVEMIND_PEER, "--run", run_id, "--target-batch-size", str(TARGET_BATCH),
                 "--max-epochs", "1000000", "--max-seconds", str(max_seconds), "--seed", str(i),
-                "--report-file", report, "--matchmaking-time", str(hm_opts["matchmaking_time"]),
-                "--averaging-timeout", str(hm_opts["averaging_timeout"]), "--min-peers", str(n)]
+                "--report-file", report, "--matchmaking-time", str(opts["matchmaking_time"]),
+                "--averaging-timeout", str(opts["averaging_timeout"]), "--min-peers", str(n)]
     if initial:
         argv += ["--initial-peers", initial]
     return argv
@@ -214,7 +218,7 @@ def read_reports(paths: Sequence[str]) -> list[list[dict]]:
 
 
 def run_swarm(impl: str, n: int, warmup: int, measure: int, budget_s: float, tmp: str,
-              hm_opts: dict | None = None, progress: bool = True) -> RunResult:
+              opts: dict, progress: bool = True) -> RunResult:
     """Start n peers, let them train warmup + measure epochs (or until budget_s), read their reports."""
     epochs = warmup + measure
     res = RunResult(impl, n, warmup, epochs)
@@ -225,11 +229,11 @@ def run_swarm(impl: str, n: int, warmup: int, measure: int, budget_s: float, tmp
     deadline = t0 + budget_s
     try:
         start_deadline = min(deadline, t0 + 90.0)
-        argv = peer_argv(impl, 0, n, run_id, reports[0], None, epochs, budget_s, hm_opts or {})
+        argv = peer_argv(impl, 0, n, run_id, reports[0], None, epochs, budget_s, opts)
         peers.append(Peer(f"{impl} peer 0", argv, os.path.join(tmp, f"{run_id}-0.log"), stdin=impl != "ours"))
         first = peers[0].address(start_deadline)
         for i in range(1, n):
-            argv = peer_argv(impl, i, n, run_id, reports[i], first, epochs, budget_s, hm_opts or {})
+            argv = peer_argv(impl, i, n, run_id, reports[i], first, epochs, budget_s, opts)
             peers.append(Peer(f"{impl} peer {i}", argv, os.path.join(tmp, f"{run_id}-{i}.log"), stdin=impl != "ours"))
         if impl != "ours":  # hivemind peers wait for 'go' once everyone is up (our --min-peers)
             for p in peers[1:]:
@@ -415,14 +419,30 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hivemind-averaging-timeout", type=float, default=30.0,
                         help="hivemind.Optimizer averaging_timeout (ours: the worker's averaging_timeout, 30.0)")
     parser.add_argument("--keep-dir", metavar="DIR", help="write the peers' reports and logs here (kept)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where our peers and the micro-step train (auto: a GPU when torch sees one; "
+                             "hivemind's peers stay on the CPU)")
     return parser.parse_args()
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` as the workers resolve it, so the report names the device that ran."""
+    if name == "cpu":
+        return name
+    from p2p.devices import pick_device  # imports torch: only when the answer depends on it
+
+    try:
+        return pick_device(name).type
+    except ValueError as exc:
+        raise SystemExit(f"bench_training: {exc}") from None
 
 
 def run_all(args: argparse.Namespace, hm_opts: dict, t_all: float) -> Runs:
     """Ours at 4, 2 and 1 peers, then hivemind at 4; every child is killed at the end, whatever happens."""
     # (warm-up epochs, measured epochs, budget in seconds) per run
     if args.quick:
-        plan = {4: (5, 100, 20.0), 2: (5, 300, 15.0), 1: (5, 800, 10.0)}
+        # a lone newcomer with nothing to load waits one freshness period (5 s) before stepping alone
+        plan = {4: (5, 100, 17.0), 2: (5, 300, 12.0), 1: (5, 800, 15.0)}
         hm_plan = (3, 6, 150.0)
     else:
         plan = {4: (10, 1000, 300.0), 2: (10, 2000, 150.0), 1: (10, 5000, 90.0)}
@@ -439,27 +459,28 @@ def run_all(args: argparse.Namespace, hm_opts: dict, t_all: float) -> Runs:
                     left = t_all + QUICK_TOTAL_S - time.monotonic()
                     later = sum(plan[m][2] for m in (2, 1) if m < n)
                     budget = max(left if n == 1 else min(budget, left - later), 5.0)
-                runs.ours[n] = run_swarm("ours", n, warmup, measure, budget, tmp)
+                runs.ours[n] = run_swarm("ours", n, warmup, measure, budget, tmp, {"device": args.device_used})
             if args.vs_hivemind and not os.access(BENCH_PY, os.X_OK):
                 runs.hivemind_note = HIVEMIND_MISSING
             elif args.vs_hivemind:
                 runs.hm = run_swarm("hivemind", 4, *hm_plan, tmp, hm_opts)
         finally:
             kill_all()
-    runs.microstep = guarded("microstep", microstep_figures, 500 if args.quick else 5000)
+    runs.microstep = guarded("microstep", microstep_figures, 500 if args.quick else 5000, args.device_used)
     return runs
 
 
-def microstep_figures(steps: int) -> dict:
+def microstep_figures(steps: int, device: str) -> dict:
     """A micro-step's cost over plain gradient accumulation (``_microstep.py``, bounded)."""
-    return run_for_json("microstep", [sys.executable, MICROSTEP, "--steps", str(steps)], 60.0,
+    return run_for_json("microstep", [sys.executable, MICROSTEP, "--steps", str(steps), "--device", device], 60.0,
                         env=ONE_THREAD_ENV)
 
 
 def print_report(args: argparse.Namespace, runs: Runs, hm_opts: dict, wall: float) -> None:
     ours, hm = runs.ours, runs.hm
-    print(f"task {TASK}, target batch {TARGET_BATCH}, 32 samples per local step, one torch thread per peer;"
-          f" epoch time = seconds between consecutive epochs (median of the peers' report times), warm-up skipped")
+    print(f"task {TASK} on {args.device_used}, target batch {TARGET_BATCH}, 32 samples per local step, one torch"
+          f" thread per peer; epoch time = seconds between consecutive epochs (median of the peers' report times),"
+          f" warm-up skipped")
     print_runs("scaling (ours; each row a separate run of worker processes)", [ours[n] for n in (1, 2, 4)])
     if args.vs_hivemind:
         print()
@@ -512,16 +533,17 @@ def figures_of(args: argparse.Namespace, runs: Runs, wall: float) -> dict:
               if r.error}
     if errors:
         figures["errors"] = errors
-    figures.update(quick=args.quick, wall_s=rounded(wall, 1))
+    figures.update(device=args.device_used, quick=args.quick, wall_s=rounded(wall, 1))
     return figures
 
 
 def main() -> None:
     args = parse_args()
+    exit_on_sigterm()
+    args.device_used = resolve_device(args.device)  # before the clock: --quick's budgets are for the runs
+    t_all = time.monotonic()
     hm_opts = {"matchmaking_time": args.hivemind_matchmaking_time,
                "averaging_timeout": args.hivemind_averaging_timeout}
-    exit_on_sigterm()
-    t_all = time.monotonic()
     runs = run_all(args, hm_opts, t_all)
     wall = time.monotonic() - t_all
     print_report(args, runs, hm_opts, wall)
