@@ -47,7 +47,7 @@ from .errors import (
     UnknownExpert,
 )
 from .grid import normalize_prefix
-from .remote import DUMMY, call_backward, call_forward, call_info
+from .remote import DUMMY, call_backward, call_forward, call_info, on_host
 from .schema import TensorSchema, check_finite, describe_tensors
 from .trust import TrustPolicy
 
@@ -159,7 +159,8 @@ class RemoteMixtureOfExperts(nn.Module):
         pad = (0,) * len(self.grid_size)
         idx = torch.tensor([[e.coords for e in experts] + [pad] * (max(k, 1) - len(experts)) for experts in chosen],
                            dtype=torch.long).reshape(rows, max(k, 1), len(self.grid_size))
-        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, flat, self, chosen)
+        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, on_host([flat])[0], self, chosen)
+        expert_out, answered = expert_out.to(flat.device), answered.to(flat.device)
         gate = sum(s.gather(1, idx[:, :, d].to(s.device)) for d, s in enumerate(grid_scores))
         any_answer = answered.any(dim=1, keepdim=True)
         gate = torch.where(any_answer, gate.masked_fill(~answered, float("-inf")), torch.zeros_like(gate))
@@ -418,7 +419,6 @@ class _RemoteMixtureCall(torch.autograd.Function):
         ctx.groups = {key: groups[key] for key in results}
         ctx.served = served
         ctx.save_for_backward(x)
-        out, answered = out.to(x.device), answered.to(x.device)  # assembled in host memory, as answers arrive
         ctx.mark_non_differentiable(answered)
         return out, answered
 
@@ -441,8 +441,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
             rows = groups[key][0]
             counts[rows] += 1
             if grad_inputs and grad_inputs[0] is not None:
-                grad_x.index_add_(0, torch.tensor(rows, dtype=torch.long, device=x.device),
-                                  grad_inputs[0].to(x.device, x.dtype))
+                grad_x.index_add_(0, torch.tensor(rows, dtype=torch.long), grad_inputs[0].to(x.dtype))
         needs = np.zeros(x.shape[0], dtype=bool)
         for rows, _ in groups.values():
             needs[rows] = True  # rows that had an answer in forward; the others have nothing to send

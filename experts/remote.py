@@ -165,11 +165,20 @@ class RemoteExpert(nn.Module):
         return self._info
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        outputs = _RemoteExpertCall.apply(DUMMY, self, *inputs)
+        device = inputs[0].device if inputs else torch.device("cpu")
+        outputs = tuple(o.to(device) for o in _RemoteExpertCall.apply(DUMMY, self, *on_host(inputs)))
         return outputs[0] if len(outputs) == 1 else outputs
 
     def extra_repr(self) -> str:
         return f"uid={self.uid!r}, address={self.address!r}"
+
+
+def on_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A remote call's tensors in host memory, moved there by autograd (differentiably), so the
+    call's own backward runs on the caller's thread, not a GPU's autograd thread: blocking that one
+    thread for a network round trip would stall every GPU backward of the process, an expert
+    server's of the same GPU included, until the call timed out."""
+    return [t.cpu() for t in tensors]
 
 
 class _RemoteExpertCall(torch.autograd.Function):
@@ -179,8 +188,6 @@ class _RemoteExpertCall(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         outputs = expert.client.run(call_forward(expert.client.p2p, expert.address, expert.uid, inputs,
                                                  expert.forward_timeout, expert.compression))
-        device = inputs[0].device if inputs else torch.device("cpu")  # answers arrive in host memory
-        outputs = [o.to(device) for o in outputs]
         ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
         return tuple(outputs)
 
@@ -191,4 +198,4 @@ class _RemoteExpertCall(torch.autograd.Function):
         inputs = ctx.saved_tensors
         grads = expert.client.run(call_backward(expert.client.p2p, expert.address, expert.uid, inputs,
                                                 grad_outputs, expert.backward_timeout, expert.compression))
-        return (None, None, *(g if g is None else g.to(i.device) for g, i in zip(grads, inputs, strict=True)))
+        return (None, None, *grads)

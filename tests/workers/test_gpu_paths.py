@@ -1,8 +1,8 @@
 """The paths a GPU takes — averaging tensors staged through host buffers, a peer training on its
 device, an expert and a mixture of experts whose callers' tensors are on the device (answers
-travel through host memory and come back there) — run on every device this
-machine has: the CPU always, CUDA where torch sees a GPU (skipped elsewhere, so the same
-assertions hold in both places)."""
+travel through host memory and come back there), a caller and a server on one GPU in one process —
+run on every device this machine has: the CPU always, CUDA where torch sees a GPU (skipped
+elsewhere, so the same assertions hold in both places)."""
 
 from __future__ import annotations
 
@@ -66,13 +66,13 @@ def test_two_peers_train_on_the_device_and_share_every_epoch(device, wait_for):
     assert_in_step(peers, after=1, before=leaving_at, at_least=2)
 
 
-# In one process a GPU caller's backward holds the GPU's autograd thread, which a GPU server's own
-# backward would wait for: a caller and a server of one process never both use the GPU (in a run they
-# are separate processes), so each side is on the GPU with the other on the CPU.
+# All four pairs in one process: a GPU caller's backward must not hold the GPU's autograd thread
+# for the call's round trip, or a GPU server's backward in the same process waits for it.
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller,server", [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=GPU),
-                                           pytest.param("cpu", "cuda", marks=GPU)])
-def test_an_expert_answers_a_caller_on_another_device_as_the_module_would(caller, server):
+                                           pytest.param("cpu", "cuda", marks=GPU),
+                                           pytest.param("cuda", "cuda", marks=GPU)])
+def test_an_expert_answers_a_caller_on_any_device_as_the_module_would(caller, server):
     torch.manual_seed(0)
     backend = ExpertBackend.from_kind("ffn.0", "ffn", 16, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                                       update_period=1000, device=server)
@@ -102,8 +102,8 @@ def test_an_expert_answers_a_caller_on_another_device_as_the_module_would(caller
 def test_a_mixture_on_the_device_gives_what_it_gives_on_the_cpu(device, start_server, client_dht):
     torch.manual_seed(0)
     hidden = 8
-    start_server([ExpertBackend.from_kind(f"ffn.{i}", "ffn", hidden, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
-                  for i in range(3)])
+    start_server([ExpertBackend.from_kind(f"ffn.{i}", "ffn", hidden, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                                          device=device) for i in range(3)])  # caller and servers on it
     moe = RemoteMixtureOfExperts(hidden, (3,), "ffn", k_best=3, k_min=3, forward_timeout=20, dht=client_dht)
     gating = copy.deepcopy(moe.proj)
     x_cpu = torch.randn(6, hidden, requires_grad=True)
