@@ -35,7 +35,10 @@ epochs after the first epoch that a majority of them reported with 4 peers; they
 window is complete.  hivemind's all-reduce adds (average - local) to each peer's own copy and
 averages parameters in the background, so its digests are not expected to match bit for bit.
 
-    python benchmarks/bench_training.py [--quick] [--vs-hivemind] [--keep-dir DIR]
+    python benchmarks/bench_training.py [--quick] [--vs-hivemind] [--keep-dir DIR] [--device auto|cpu|cuda]
+
+``--device``: where our peers and the micro-step train (``auto``, the default, is a GPU when torch
+sees one); hivemind's peers stay on the CPU.
 
 ``--quick`` finishes within 60 s without ``--vs-hivemind`` (each run also has a time budget; a
 run stopped by it is reported as such).  Peers run one torch thread each (OMP_NUM_THREADS=1):
