@@ -159,7 +159,7 @@ class RemoteMixtureOfExperts(nn.Module):
         pad = (0,) * len(self.grid_size)
         idx = torch.tensor([[e.coords for e in experts] + [pad] * (max(k, 1) - len(experts)) for experts in chosen],
                            dtype=torch.long).reshape(rows, max(k, 1), len(self.grid_size))
-        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, on_host([flat])[0], self, chosen)
+        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, on_host(flat), self, chosen)
         expert_out, answered = expert_out.to(flat.device), answered.to(flat.device)
         gate = sum(s.gather(1, idx[:, :, d].to(s.device)) for d, s in enumerate(grid_scores))
         any_answer = answered.any(dim=1, keepdim=True)

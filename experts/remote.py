@@ -166,19 +166,19 @@ class RemoteExpert(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         device = inputs[0].device if inputs else torch.device("cpu")
-        outputs = tuple(o.to(device) for o in _RemoteExpertCall.apply(DUMMY, self, *on_host(inputs)))
+        outputs = tuple(o.to(device) for o in _RemoteExpertCall.apply(DUMMY, self, *map(on_host, inputs)))
         return outputs[0] if len(outputs) == 1 else outputs
 
     def extra_repr(self) -> str:
         return f"uid={self.uid!r}, address={self.address!r}"
 
 
-def on_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """A remote call's tensors in host memory, moved there by autograd (differentiably), so the
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """A remote call's tensor in host memory, moved there by autograd (differentiably), so the
     call's own backward runs on the caller's thread, not a GPU's autograd thread: blocking that one
     thread for a network round trip would stall every GPU backward of the process, an expert
     server's of the same GPU included, until the call timed out."""
-    return [t.cpu() for t in tensors]
+    return t.cpu()
 
 
 class _RemoteExpertCall(torch.autograd.Function):
