@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -22,9 +23,22 @@ FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "te
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that no other process is handed before we bind it: ``bind(0)``
+    draws from the kernel's ephemeral range, as Ray's own processes do, so a port found that way
+    was once taken by one of the head's processes before ``ray start`` bound it (its client server
+    then failed and took the whole head down).  Ports between Ray's worker ports (10002-19999) and
+    the ephemeral range are handed to nobody who does not ask for them by number."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    for _ in range(200):
+        port = random.randint(20000, ephemeral_low - 1) if ephemeral_low > 20001 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port between 20000 and {ephemeral_low - 1}")
 
 
 @pytest.fixture(scope="module")
@@ -443,6 +457,7 @@ class RayHead:
                     "PYTHONPATH": str(ROOT)}
         self.env.pop("RAY_ADDRESS", None)
         ray = Path(sys.executable).with_name("ray")
+        self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
                 [str(ray), "start", "--head", "--port", str(free_port()), "--num-cpus", "1", "--include-dashboard",
@@ -454,6 +469,13 @@ class RayHead:
             assert time.monotonic() < deadline and self.process.poll() is None, f"the Ray head did not start: {log}"
             time.sleep(0.1)  # polling for the head to write its address, bounded
         self.address = address_file.read_text().strip()
+
+    def alive(self) -> bool:
+        """True while the head runs; an AssertionError with its log's end once it exited (a wait on
+        the cluster then fails at once, saying why, instead of at its timeout)."""
+        if self.process.poll() is None:
+            return True
+        raise AssertionError(f"the Ray head exited ({self.process.returncode}):\n{self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         kill_session(self.process.pid)

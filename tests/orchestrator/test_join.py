@@ -53,9 +53,11 @@ def test_up_joins_an_existing_cluster_and_its_run_outlives_the_command(tmp_path,
     with open(tmp_path / "up.out", "w") as out:
         up = subprocess.Popen([*cli, "up", "cluster.yaml", "--address", address, "--duration", "240"],
                               cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
-    wait_for(lambda: epoch(db) >= 20, 120, "the fleet to train")
-    up.kill()  # the command that started the run dies: the detached supervisor carries on
-    up.wait(timeout=30)
+    try:
+        wait_for(lambda: head.alive() and epoch(db) >= 20, 120, "the fleet to train")
+    finally:
+        up.kill()  # the command that started the run dies: the detached supervisor carries on
+        up.wait(timeout=30)
     after_kill = epoch(db)
     wait_for(lambda: epoch(db) >= after_kill + 20, 120, "training to go on without the command")
 
