@@ -155,19 +155,24 @@ def check(payload: Any, n: int) -> Codec:
 def norm(x: torch.Tensor) -> float:
     """The L2 norm of a float tensor: NaN or inf exactly when x holds a NaN or an inf.
 
-    One pass (``vector_norm``: 6 us per 64K floats, against 15 us for ``aminmax`` and 140 us for
-    ``isfinite().all()``, which also allocates); only when the float32 squares overflow, i.e.
-    for values past ~1e19, a second look tells a non-finite value from a huge finite one.
+    One pass: for float32, the BLAS dot product of x with itself (109 us per 1M floats in cache,
+    against 154 us for ``vector_norm``; ``aminmax`` and ``isfinite().all()`` are slower still, and
+    the latter allocates); only when the float32 squares overflow, i.e. for values past ~1e19, a
+    second look tells a non-finite value from a huge finite one.
     """
     if x.numel() == 0:
         return 0.0
-    result = float(torch.linalg.vector_norm(x))
-    if math.isfinite(result):
-        return result
-    lo, hi = (float(v) for v in torch.aminmax(x))
+    flat = x.reshape(-1)
+    if flat.dtype == torch.float32:
+        squares = float(torch.dot(flat, flat))
+    else:
+        squares = float(torch.linalg.vector_norm(flat)) ** 2
+    if math.isfinite(squares):
+        return math.sqrt(squares)
+    lo, hi = (float(v) for v in torch.aminmax(flat))
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return math.nan if math.isnan(lo) or math.isnan(hi) else math.inf
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
 
 
 def decodes_finite(codec: Codec, payload: dict) -> bool:

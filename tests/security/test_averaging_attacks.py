@@ -354,3 +354,17 @@ def test_every_codec_reports_the_norm_of_what_it_decodes_to(codec):
     assert magnitude == pytest.approx(torch.linalg.vector_norm(decoded).item(), rel=1e-6)
     assert norm(torch.full((N,), 1e30)) == pytest.approx(1e30 * N**0.5)  # float32 squares overflow here
     assert math.isnan(norm(torch.tensor([1.0, math.nan]))) and norm(torch.tensor([1.0, -math.inf])) == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_norm_is_the_l2_norm_for_any_float_dtype_and_shape(dtype):
+    x = torch.arange(-6.0, 6.0).reshape(3, 4).to(dtype)
+    rel = 1e-3 if dtype == torch.float16 else 1e-6  # a float16 norm is a float16
+    assert norm(x) == pytest.approx(math.sqrt(sum(v * v for v in range(-6, 6))), rel=rel)
+    assert norm(x[:, 1]) == pytest.approx(math.sqrt(25 + 1 + 9), rel=rel)  # strided
+    assert norm(x[:0]) == 0.0
+    bad = x.clone()
+    bad[1, 2] = math.nan
+    assert math.isnan(norm(bad))
+    bad[1, 2] = -math.inf
+    assert norm(bad) == math.inf
