@@ -9,6 +9,7 @@ import torch
 
 from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
 from p2p.codecs import error_bound
+from tests.averaging.means import assert_exact_mean_everywhere, exact_mean
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,16 +34,13 @@ async def shutdown_all(averagers):
 async def test_eight_peers_end_with_the_exact_mean(swarm):
     nodes = await swarm(8)
     tensors = [data(i) for i in range(8)]
-    expected = [torch.stack([t[k] for t in tensors]).double().mean(0).float() for k in range(3)]
+    expected = exact_mean(tensors)
     averagers = await make_averagers(nodes, tensors)
     results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
     try:
         assert all(r.group_size == 8 and not r.failed_peers for r in results)
         assert len({r.group_id for r in results}) == 1
-        for a in averagers:
-            for k in range(3):
-                torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
-                assert torch.equal(a.tensors[k], averagers[0].tensors[k])  # bit-identical everywhere
+        assert_exact_mean_everywhere(averagers, expected)
         assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results)
     finally:
         await shutdown_all(averagers)
@@ -69,7 +67,7 @@ async def test_one_chunk_window_and_unequal_parts_still_give_the_exact_mean(swar
     lock-step across all senders of a part); unequal bandwidths make the leader solve the LP."""
     nodes = await swarm(4)
     tensors = [data(i) for i in range(4)]
-    expected = [torch.stack([t[k] for t in tensors]).double().mean(0).float() for k in range(3)]
+    expected = exact_mean(tensors)
     averagers = [DecentralizedAverager(t, n, "win", target_group_size=4, min_matchmaking_time=10.0, chunk_size=1000,
                                        window=1, bandwidth=b)
                  for t, n, b in zip(tensors, nodes, [200.0, 100.0, 50.0, 25.0], strict=True)]
