@@ -301,7 +301,11 @@ class AllReduceRound:
 
     def __init__(self, p2p: P2P, method: str, group: GroupInfo, flat: FlatTensors, weight: float,
                  codec: Codec, chunk_size: int, sender_timeout: float, window: int, *,
-                 max_weight: float = DEFAULT_MAX_WEIGHT, norm_ratio: float | None = DEFAULT_NORM_RATIO) -> None:
+                 max_weight: float = DEFAULT_MAX_WEIGHT, norm_ratio: float | None = DEFAULT_NORM_RATIO,
+                 finite: bool | None = None) -> None:
+        """``finite``: whether ``flat`` holds only finite values, where the caller already looked (the
+        averager does, while matchmaking waits on the network); None: this round looks, before any byte
+        is sent."""
         self.p2p = p2p
         self.method = method
         self.group = group
@@ -324,7 +328,7 @@ class AllReduceRound:
                 self.outcome.failed[j] = why
         # A peer whose own values are not finite (e.g. a diverged step) takes no part in the mean
         # anywhere: it says so up front, and every reducer drops it (it still gets the average).
-        self.nonfinite = not all_finite(flat.flat)
+        self.nonfinite = not (all_finite(flat.flat) if finite is None else finite)
         if self.nonfinite:
             logger.warning("local tensors hold non-finite values: this peer is excluded from the average")
             self.weight = weight = 0.0

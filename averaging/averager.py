@@ -7,6 +7,7 @@ adds Moshpit All-Reduce's grid of group keys; ``Averager`` is the blocking face 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import random
@@ -21,7 +22,7 @@ from p2p import CallKind, PeerID
 from p2p.codecs import Codec
 from p2p.node import CallContext
 
-from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, weight_problem
+from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, all_finite, weight_problem
 from .bandwidth import BandwidthMeter, ProbeSink, probe
 from .matchmaking import Matchmaker
 from .partition import FlatTensors, chunk_size_problem
@@ -118,6 +119,9 @@ class DecentralizedAverager:
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
         self._lock = asyncio.Lock()
+        # one pass over the whole buffer per step (is every value finite?), run while matchmaking
+        # waits on the network instead of between matchmaking and the round's first byte
+        self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"spotswarm-{prefix}-check")
         self.phase = "idle"  # or matchmaking / all-reduce: where a fault that hits this peer now lands
         node.p2p.register(self.method, self._rpc_allreduce, CallKind.BIDI)
         self.probe_method = f"avg.probe.{prefix}"
@@ -192,15 +196,19 @@ class DecentralizedAverager:
         mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
         total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
         deadline = started + total
-        group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
-                                      weight)
+        checking = loop.run_in_executor(self._checker, all_finite, self.flat.flat)
+        try:
+            group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
+                                          weight)
+        finally:
+            finite = await checking  # never left reading our buffer once the step is over
         matched = loop.time()
         if group is None or group.size < 2:
             return StepResult(1, matchmaking_time=matched - started)
         self.phase = "all-reduce"
         round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, self.codec,
                                   group.chunk_size, self.sender_timeout, self.window,
-                                  max_weight=self.max_weight, norm_ratio=self.norm_ratio)
+                                  max_weight=self.max_weight, norm_ratio=self.norm_ratio, finite=finite)
         future = self._rounds.setdefault(group.group_id, loop.create_future())
         if not future.done():
             future.set_result(round_)
@@ -267,6 +275,7 @@ class DecentralizedAverager:
         for future in self._rounds.values():
             future.cancel()
         self._rounds.clear()
+        self._checker.shutdown(wait=True)  # idle unless a step still runs: then one pass, milliseconds
 
 
 class MoshpitAverager(DecentralizedAverager):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -164,6 +165,21 @@ async def test_a_peer_sending_nan_is_excluded_and_the_others_are_correct(swarm):
                 torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
     finally:
         await shutdown_all(averagers)
+
+
+async def test_the_finiteness_check_runs_beside_matchmaking_and_its_thread_ends_with_the_averager(swarm):
+    nodes = await swarm(2)
+    tensors = [data(i) for i in range(2)]
+    tensors[1][1][0] = float("-inf")
+    averagers = await make_averagers(nodes, tensors)
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        assert results[0].excluded == {averagers[1].peer_id: "part 0: it holds non-finite values"}
+        for a in averagers:  # the offender keeps nothing of its own: it takes the other's values
+            assert all(torch.equal(x, y) for x, y in zip(a.tensors, tensors[0], strict=True))
+    finally:
+        await shutdown_all(averagers)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("spotswarm-exp-check")]
 
 
 async def test_mismatched_tensor_shapes_are_refused_with_the_difference_named(swarm):
