@@ -134,7 +134,8 @@ class Matchmaker:
         key = self._dht_key(group_key)
         declaration = {"a": self.p2p.listen_address_str and str(self.p2p.address), "t": declared_at,
                        "bw": self.bandwidth, "h": self.schema_hash}
-        await self.node.store(key, declaration, expiration, subkey=str(self.me))
+        replicas = await self.node.nearest_replicas(key)  # where the withdrawal goes too, without a second lookup
+        await self.node.store(key, declaration, expiration, subkey=str(self.me), at=replicas)
         myself = Candidate(declared_at, self.me, declaration["a"], self.bandwidth, self.schema_hash)
         unreachable: set[PeerID] = set()
         try:
@@ -152,7 +153,7 @@ class Matchmaker:
             return None
         finally:
             # in the background: the group must not wait for a DHT round trip to start averaging
-            self._spawn(self._withdraw(key, expiration))
+            self._spawn(self._withdraw(key, expiration, replicas))
 
     async def _candidates(self, key: str, myself: Candidate) -> list[Candidate]:
         found = await self.node.get(key, latest=True)
@@ -164,10 +165,10 @@ class Matchmaker:
                     out[cand.peer_id] = cand
         return sorted(out.values())
 
-    async def _withdraw(self, key: str, expiration: float) -> None:
-        """Overwrite our declaration (a later expiration wins) so nobody tries to join us."""
+    async def _withdraw(self, key: str, expiration: float, replicas: list) -> None:
+        """Overwrite our declaration where it was stored (a later expiration wins) so nobody tries to join us."""
         try:
-            await self.node.store(key, None, expiration + 1e-3, subkey=str(self.me))
+            await self.node.store(key, None, expiration + 1e-3, subkey=str(self.me), at=replicas)
         except Exception as e:  # the DHT may be shutting down with us
             logger.debug("could not withdraw matchmaking declaration: %s", e)
 

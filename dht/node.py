@@ -211,9 +211,26 @@ class DHTNode:
         await self._traverse([search], want_values=False)
 
     # ---- public API ----------------------------------------------------------------------------
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
-        """Store on the nearest peers; True if at least one replica took it (it was the newest)."""
-        return (await self.store_many([key], [value], expiration_time, [subkey]))[0]
+    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, *,
+                    at: Sequence[Contact | None] | None = None) -> bool:
+        """Store on the nearest peers; True if at least one replica took it (it was the newest).
+
+        ``at``: the replicas ``nearest_replicas(key)`` found, to store there without looking again
+        (a writer that updates one key soon after, as matchmaking withdraws its declaration).
+        """
+        if at is None:
+            return (await self.store_many([key], [value], expiration_time, [subkey]))[0]
+        record = self._make_record(key, value, float(expiration_time), subkey)
+        targets = [c for c in at if c is not None or not self.client_mode]  # a client keeps no records
+        return (await self._put([record], {key_id(record.key): [0]}, {key_id(record.key): targets}))[0]
+
+    async def nearest_replicas(self, key: Any) -> list[Contact | None]:
+        """The ``num_replicas`` peers nearest to ``key`` by one lookup (None: this node), for ``store(at=)``."""
+        raw = serialize_key(key)
+        self._check_size("key", raw, self.max_key_bytes)
+        search = self._new_search(key_id(raw), None, self.num_replicas, stop_on_value=False)
+        await self._traverse([search], want_values=False)
+        return self._replica_set(search)
 
     async def store_many(self, keys: Sequence[Any], values: Sequence[Any],
                          expiration_time: float | Sequence[float], subkeys: Sequence[Any] | None = None) -> list[bool]:
@@ -230,11 +247,15 @@ class DHTNode:
             by_key.setdefault(key_id(rec.key), []).append(i)
         searches = {kid: self._new_search(kid, None, self.num_replicas, stop_on_value=False) for kid in by_key}
         await self._traverse(list(searches.values()), want_values=False)
+        return await self._put(records, by_key, {kid: self._replica_set(search) for kid, search in searches.items()})
 
+    async def _put(self, records: list[DHTRecord], by_key: dict[int, list[int]],
+                   replicas: dict[int, list[Contact | None]]) -> list[bool]:
+        """Send each key's records to its replicas (None: keep them here), one call per peer."""
         accepted = [False] * len(records)
         outgoing: dict[int, tuple[Contact, list[int]]] = {}
         for kid, idxs in by_key.items():
-            for target in self._replica_set(searches[kid]):
+            for target in replicas[kid]:
                 if target is None:
                     for i in idxs:
                         rec = records[i]

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from dht import DHTNode, RecordTooLarge, SchemaValidator, SignatureValidator, ValidationError
-from dht.routing import node_id_of, serialize_key
+from dht.routing import key_id, node_id_of, serialize_key
 from p2p import P2P, Identity
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,6 +38,30 @@ async def test_batched_store_many_and_get_many(make_swarm):
     assert all(await nodes[0].store_many(keys, [i * i for i in range(50)], exp))
     got = await nodes[31].get_many(keys)
     assert {k[1]: v.value for k, v in got.items()} == {i: i * i for i in range(50)}
+
+
+async def test_a_store_at_the_replicas_found_before_looks_nothing_up_and_lands_where_a_lookup_would(make_swarm):
+    nodes = await make_swarm(16)
+    writer, reader = nodes[3], nodes[11]
+    exp = time.time() + HOUR
+    replicas = await writer.nearest_replicas("declared")
+    assert len(replicas) == writer.num_replicas
+    finds = 0
+    call_find = writer._call_find
+
+    async def counting(*args, **kwargs):
+        nonlocal finds
+        finds += 1
+        return await call_find(*args, **kwargs)
+
+    writer._call_find = counting  # observing the writer's own lookups, nothing replaced
+    assert await writer.store("declared", "first", exp, subkey="me", at=replicas)
+    assert await writer.store("declared", None, exp + 1, subkey="me", at=replicas)  # withdrawn
+    assert finds == 0
+    got = await reader.get("declared", latest=True)  # a full lookup from elsewhere sees the withdrawal
+    assert got is not None and got.value["me"].value is None
+    holders = {n.node_id for n in nodes if n.storage.get(key_id(serialize_key("declared"))) is not None}
+    assert {c.node_id if c is not None else writer.node_id for c in replicas} <= holders
 
 
 async def test_later_expiration_wins_across_the_swarm(make_swarm):
