@@ -221,8 +221,9 @@ class DHTNode:
         if at is None:
             return (await self.store_many([key], [value], expiration_time, [subkey]))[0]
         record = self._make_record(key, value, float(expiration_time), subkey)
+        kid = key_id(record.key)
         targets = [c for c in at if c is not None or not self.client_mode]  # a client keeps no records
-        return (await self._put([record], {key_id(record.key): [0]}, {key_id(record.key): targets}))[0]
+        return (await self._put([record], {kid: [0]}, {kid: targets}))[0]
 
     async def nearest_replicas(self, key: Any) -> list[Contact | None]:
         """The ``num_replicas`` peers nearest to ``key`` by one lookup (None: this node), for ``store(at=)``."""

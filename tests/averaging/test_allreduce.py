@@ -167,7 +167,7 @@ async def test_a_peer_sending_nan_is_excluded_and_the_others_are_correct(swarm):
         await shutdown_all(averagers)
 
 
-async def test_the_finiteness_check_runs_beside_matchmaking_and_its_thread_ends_with_the_averager(swarm):
+async def test_a_peer_holding_inf_is_excluded_from_every_part_and_the_check_thread_ends_with_the_averager(swarm):
     nodes = await swarm(2)
     tensors = [data(i) for i in range(2)]
     tensors[1][1][0] = float("-inf")

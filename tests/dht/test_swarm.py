@@ -58,10 +58,11 @@ async def test_a_store_at_the_replicas_found_before_looks_nothing_up_and_lands_w
     assert await writer.store("declared", "first", exp, subkey="me", at=replicas)
     assert await writer.store("declared", None, exp + 1, subkey="me", at=replicas)  # withdrawn
     assert finds == 0
-    got = await reader.get("declared", latest=True)  # a full lookup from elsewhere sees the withdrawal
-    assert got is not None and got.value["me"].value is None
+    # read before any lookup: a get(latest=True) would itself copy the record to replicas that lacked it
     holders = {n.node_id for n in nodes if n.storage.get(key_id(serialize_key("declared"))) is not None}
     assert {c.node_id if c is not None else writer.node_id for c in replicas} <= holders
+    got = await reader.get("declared", latest=True)  # a full lookup from elsewhere sees the withdrawal
+    assert got is not None and got.value["me"].value is None
 
 
 async def test_later_expiration_wins_across_the_swarm(make_swarm):
