@@ -160,6 +160,11 @@ class _Reducer:
         self.expected = set(sender_weights)
         self.sender_weight = sender_weights
         self.own_weight = weight if weight > 0 else 0.0
+        # Our values stay as they are and each sender's are added at weight w / scale, the sum then
+        # divided by total / scale: with scale = our weight that is one pass over the part less than
+        # weighting our values first.  Only for a weight of at least 1, so no sender's term can grow
+        # past what the overflow screen let in; below that our values are weighted in place (scale 1).
+        self.scale = self.own_weight if self.own_weight >= 1 else 1.0
         self.failed: dict[int, str] = {s: why for s, why in excluded.items() if s in self.expected}
         self.connected: set[int] = set()
         self.sender_timeout = sender_timeout
@@ -168,15 +173,20 @@ class _Reducer:
         self.arrived: list[set[int]] = [set() for _ in chunks]
         self.pending: list[dict[int, tuple[torch.Tensor, float]]] = [{} for _ in chunks]
         self.done: list[asyncio.Future] = [loop.create_future() for _ in chunks]
+        # averaged chunks as views of our buffer while the round lasts; copies from its end on (detach)
         self.encoded: list[dict | None] = [None] * len(chunks)
+        self.detached = False
+        self.in_flight = 0  # views handed to a sender's stream whose send has not returned yet
+        self.idle = asyncio.Event()
+        self.idle.set()
         self.served = [0] * len(chunks)  # senders that were sent averaged chunk c
         self.progress: dict[int, float] = {s: time.monotonic() for s in self.expected}
         for chunk in chunks:  # own contribution, in place: this memory becomes the average
             view = flat.flat[chunk.start:chunk.end]
-            if self.own_weight > 0:
-                view.mul_(self.own_weight)
-            else:
+            if self.own_weight == 0:
                 view.zero_()
+            elif self.scale != self.own_weight:
+                view.mul_(self.own_weight)
         self._settle()
 
     def connect(self, sender: int) -> None:
@@ -225,15 +235,14 @@ class _Reducer:
         total = self.own_weight
         for s in sorted(contributions):  # a fixed order: the sum does not depend on arrival times
             if s not in refused:
-                view.add_(contributions[s][0], alpha=self.sender_weight[s])
+                view.add_(contributions[s][0], alpha=self.sender_weight[s] / self.scale)
                 total += self.sender_weight[s]
-        if total > 0:
-            view.div_(total)
+        if total > 0 and total != self.scale:
+            view.div_(total / self.scale)
         payload = encode(self.chunks[c].codec, view)
         if payload["c"] != Codec.NONE.value:
             decode_into(payload, view)  # keep exactly what the senders will decode
-        payload = _owned(payload)
-        self.encoded[c] = payload
+        self.encoded[c] = _owned(payload) if self.detached else payload
         self.done[c].set_result(None)
         for s, why in refused.items():
             self.fail(s, why)
@@ -251,7 +260,7 @@ class _Reducer:
             return refused
         magnitudes = {s: m for s, (_, m) in contributions.items()}
         if self.own_weight > 0:
-            magnitudes[_OWN] = norm(view) / self.own_weight
+            magnitudes[_OWN] = norm(view) * self.scale / self.own_weight
         ordered = sorted(magnitudes.values())
         middle = (len(ordered) - 2) // 2  # the lower median of the others, once one is left out
         for s, (_, magnitude) in contributions.items():
@@ -275,6 +284,24 @@ class _Reducer:
             self.encoded[c] = None
         return payload
 
+    def sending(self) -> None:
+        """A view of our buffer went to a sender's stream: the transport may hold it until the send returns."""
+        self.in_flight += 1
+        self.idle.clear()
+
+    def sent(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    def detach(self) -> None:
+        """The round is over, and the owner of the buffer may change it (the optimizer step, the next
+        accumulation): what a slow sender has yet to be sent becomes a copy."""
+        self.detached = True
+        for c, payload in enumerate(self.encoded):
+            if payload is not None:
+                self.encoded[c] = _owned(payload)
+
     def overdue(self, now: float) -> list[int]:
         return [s for s in self.expected if s not in self.failed and not self.finished_sending(s)
                 and now - self.progress[s] > self.sender_timeout]
@@ -288,9 +315,9 @@ class _Reducer:
 def _owned(payload: dict) -> dict:
     """A payload whose data is its own, not a view of the flat buffer.  An averaged chunk is served
     to every sender of the part, a slow one (a slow link, a paused process) possibly after our own
-    round ended and the owner changed its buffer (the optimizer step, the next accumulation): a view
-    would serve those later values instead, and members of one group would step on different
-    averages."""
+    round ended and the owner changed its buffer: a view would serve those later values instead, and
+    members of one group would step on different averages.  While the round lasts, views are safe
+    (and spare a copy of the part): the buffer is ours until ``run`` returns."""
     if payload["c"] == Codec.NONE.value and payload["d"].numel():
         return {**payload, "d": payload["d"].clone()}
     return payload
@@ -366,9 +393,12 @@ class AllReduceRound:
                 task.cancel()
             await asyncio.gather(*work, return_exceptions=True)
             self._release_part("the round ended")
+            if self.reducer is not None:
+                self.reducer.detach()
         if self.reducer is not None:
             for s, why in self.reducer.failed.items():
                 self._drop(s, f"part {self.group.my_index}: {why}")
+            await self._sent(deadline)
         return self.outcome
 
     def _release_part(self, reason: str) -> None:
@@ -377,6 +407,20 @@ class AllReduceRound:
             for s in sorted(self.reducer.expected):
                 if not self.reducer.finished_sending(s):
                     self.reducer.fail(s, reason)
+
+    async def _sent(self, deadline: float) -> None:
+        """Wait for the sends of averaged chunks under way when the round ended: until they return, the
+        transport holds views of our buffer, which the caller may change as soon as we return (what no
+        sender had been sent yet is a copy by now).  Bounded by the deadline: by then the senders' own
+        rounds, which end about then, have given up on those chunks."""
+        assert self.reducer is not None
+        if not self.reducer.in_flight:
+            return
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.0) + 1.0
+        try:
+            await asyncio.wait_for(self.reducer.idle.wait(), remaining)
+        except asyncio.TimeoutError:
+            logger.warning("%d averaged chunks were still being sent when the round ended", self.reducer.in_flight)
 
     async def _reduce(self) -> None:
         """Wait for this peer's part, dropping senders that stall."""
@@ -485,7 +529,14 @@ class AllReduceRound:
                 if reducer.failed:
                     payload = {**payload, "x": [[s, why] for s, why in sorted(reducer.failed.items())]}
                 self.outcome.bytes_sent += _payload_bytes(payload)
-                yield payload
+                if reducer.detached:
+                    yield payload
+                    continue
+                reducer.sending()  # resumed once the handler's send returned: the kernel has the bytes
+                try:
+                    yield payload
+                finally:
+                    reducer.sent()
         finally:
             consumer.cancel()
             await asyncio.gather(consumer, return_exceptions=True)

@@ -7,8 +7,12 @@ import threading
 
 import pytest
 import torch
+import uvloop
 
 from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
+from averaging.allreduce import _Reducer
+from averaging.partition import FlatTensors
+from dht import DHTNode
 from p2p.codecs import error_bound
 from tests.averaging.means import assert_exact_mean_everywhere, exact_mean
 
@@ -145,6 +149,53 @@ async def test_client_mode_peer_sends_and_receives_but_reduces_nothing(swarm):
                 torch.testing.assert_close(a.tensors[k], expected[k], rtol=1e-5, atol=1e-5)
     finally:
         await shutdown_all(averagers)
+
+
+def test_a_reducer_that_is_done_first_and_changes_its_tensors_at_once_still_serves_the_average():
+    """The reducer's step returns once its part is averaged, while a member on a slow link is still
+    receiving that part; its caller changes its tensors straight away (the optimizer step), and the
+    member must still get the round's average, not those new values.  On uvloop, as peers run: its
+    transport keeps views of what the kernel has not taken yet."""
+    size = 1 << 24
+
+    async def main() -> tuple[list, torch.Tensor]:
+        first = await DHTNode.create()
+        client = await DHTNode.create([str(first.address)], client_mode=True)  # reduces nothing
+        # 64 MB each way at 200 MB/s, in 8 MB chunks: the replies trail the reduction by more than the
+        # kernel's socket buffers hold, so one is still in the reducer's transport when its round ends
+        client.p2p.set_rate_limit(200_000_000)
+        averagers = await make_averagers([first, client], [[torch.full((size,), 1.0)], [torch.full((size,), 3.0)]],
+                                         chunk_size=1 << 21)
+
+        async def step_then_change(averager):
+            result = await averager.step(timeout=60)
+            averager.tensors[0].fill_(-7.0)  # before this loop runs anything else
+            return result
+
+        try:
+            results = await asyncio.gather(step_then_change(averagers[0]), averagers[1].step(timeout=60))
+            return [(r.group_size, r.failed_peers, r.unaveraged_parts) for r in results], averagers[1].tensors[0]
+        finally:
+            await shutdown_all(averagers)
+            await asyncio.gather(client.shutdown(), first.shutdown())
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        outcomes, received = runner.run(main())
+    assert outcomes == [(2, [], [])] * 2
+    assert torch.equal(received, torch.full((size,), 2.0))
+
+
+async def test_averaged_chunks_no_sender_was_sent_when_the_round_ends_become_copies():
+    """The other half of the case above: a chunk still waiting for a slow sender when the round ends
+    is served as a copy of the average, not as the owner's buffer, which changes from then on."""
+    flat = FlatTensors([torch.full((8,), 1.0)])
+    reducer = _Reducer(flat, flat.chunks(0, 8, 4, Codec.NONE), {1: 1.0}, 1.0, {}, 10.0, None)
+    for c in range(2):
+        reducer.add(1, c, {"c": "none", "d": torch.full((4,), 3.0)})
+    assert reducer.take(0)["d"].data_ptr() == flat.flat.data_ptr()  # a view while the round lasts
+    reducer.detach()
+    flat.flat.fill_(-7.0)
+    assert torch.equal(reducer.take(1)["d"], torch.full((4,), 2.0))
 
 
 async def test_a_peer_sending_nan_is_excluded_and_the_others_are_correct(swarm):
