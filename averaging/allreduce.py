@@ -445,9 +445,8 @@ class AllReduceRound:
             if address is None:
                 raise P2PError(f"reducer {j} has no address")
             timeout = max(deadline - asyncio.get_running_loop().time(), 1e-3)
-            call = await self.p2p.open(address, self.method, timeout=timeout)
+            call = await self.p2p.open(address, self.method, timeout=timeout, first=self._header())
             async with call:
-                await call.send(self._header())
                 window = asyncio.Semaphore(self.window)
                 sender = asyncio.ensure_future(self._send_chunks(call, chunks, window))
                 try:
@@ -494,12 +493,12 @@ class AllReduceRound:
         return encode(chunk.codec, self.flat.flat[chunk.start:chunk.end])
 
     async def _send_chunks(self, call: Any, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
-        for chunk in chunks:
+        for c, chunk in enumerate(chunks):
             await window.acquire()  # released when an averaged chunk comes back
             payload = self._outgoing(chunk)
-            await call.send(payload)
+            await call.send(payload, end=c == len(chunks) - 1)  # the last one also ends our stream
             self.outcome.bytes_sent += _payload_bytes(payload)
-        await call.done_writing()
+        await call.done_writing()  # (only if there was no chunk)
 
     # ---- reducing side (one sender) ------------------------------------------------------------
     async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False) -> Any:

@@ -94,10 +94,11 @@ class Call:
         self._timer.cancel()
         self.stream.release()
 
-    async def send(self, item: Any) -> None:
+    async def send(self, item: Any, end: bool = False) -> None:
+        """Send one item; ``end``: it is the last (what ``done_writing`` says, in the same message)."""
         if self.stream.error is not None:
             raise self.stream.error
-        await self.stream.send(item)
+        await self.stream.send(item, end)
 
     async def done_writing(self) -> None:
         await self.stream.done_writing()
@@ -323,9 +324,10 @@ class P2P:
     def _deadline(self, timeout: float | None) -> float:
         return self.loop.time() + (self.default_timeout if timeout is None else timeout)
 
-    async def open(self, peer: PeerLike, method: str, timeout: float | None = None) -> Call:
-        """Open a bidirectional call; send with ``send``/``done_writing``, read by iterating."""
-        return await self._open(peer, method, self._deadline(timeout))
+    async def open(self, peer: PeerLike, method: str, timeout: float | None = None, first: Any = _NOTHING) -> Call:
+        """Open a bidirectional call; send with ``send``/``done_writing``, read by iterating.
+        ``first``: the call's first item, carried by the opening message (one message less)."""
+        return await self._open(peer, method, self._deadline(timeout), first)
 
     async def _open(self, peer: PeerLike, method: str, deadline: float,
                     first: Any = _NOTHING, end: bool = False) -> Call:
