@@ -14,8 +14,11 @@ bandwidth bound, and the reducer's unread bytes from ~100 MB to ~8 MB at 100M el
 Faults: a sender that makes no progress for ``sender_timeout`` is dropped and each chunk is
 averaged over the weights that arrived; if a reducer dies, its senders keep their local values for
 the chunks they did not get back, and say which parts those are (``unaveraged``): members that got
-every part back hold the same values, the others do not.  Reducers tell senders whom they dropped
-and why, so every peer can report every failure it was part of.
+every part back hold the same values, the others do not.  Averaged chunks are served from the
+reducer's buffer while the round lasts; at its end what a sender has yet to get is copied, and sends
+under way are waited for, up to ``sender_timeout``: a member that takes nothing for that long loses
+its connection, so no transport is left holding views of a buffer its owner changes.  Reducers
+tell senders whom they dropped and why, so every peer can report every failure it was part of.
 
 Hostile members: a chunk is averaged only once every sender delivered it (until then each
 sender's decoded slice waits, at most ``window`` chunks per sender), and before summing the
@@ -176,7 +179,8 @@ class _Reducer:
         # averaged chunks as views of our buffer while the round lasts; copies from its end on (detach)
         self.encoded: list[dict | None] = [None] * len(chunks)
         self.detached = False
-        self.in_flight = 0  # views handed to a sender's stream whose send has not returned yet
+        self.in_flight: dict[int, int] = {}  # per sender: views handed to its stream, the send not returned yet
+        self.cut: dict[int, Any] = {}  # per sender: drops the connection its call came on (CallContext.disconnect)
         self.idle = asyncio.Event()
         self.idle.set()
         self.served = [0] * len(chunks)  # senders that were sent averaged chunk c
@@ -284,15 +288,17 @@ class _Reducer:
             self.encoded[c] = None
         return payload
 
-    def sending(self) -> None:
+    def sending(self, sender: int) -> None:
         """A view of our buffer went to a sender's stream: the transport may hold it until the send returns."""
-        self.in_flight += 1
+        self.in_flight[sender] = self.in_flight.get(sender, 0) + 1
         self.idle.clear()
 
-    def sent(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
+    def sent(self, sender: int) -> None:
+        self.in_flight[sender] -= 1
+        if not self.in_flight[sender]:
+            del self.in_flight[sender]
+            if not self.in_flight:
+                self.idle.set()
 
     def detach(self) -> None:
         """The round is over, and the owner of the buffer may change it (the optimizer step, the next
@@ -396,9 +402,9 @@ class AllReduceRound:
             if self.reducer is not None:
                 self.reducer.detach()
         if self.reducer is not None:
+            await self._sent(deadline)
             for s, why in self.reducer.failed.items():
                 self._drop(s, f"part {self.group.my_index}: {why}")
-            await self._sent(deadline)
         return self.outcome
 
     def _release_part(self, reason: str) -> None:
@@ -411,16 +417,26 @@ class AllReduceRound:
     async def _sent(self, deadline: float) -> None:
         """Wait for the sends of averaged chunks under way when the round ended: until they return, the
         transport holds views of our buffer, which the caller may change as soon as we return (what no
-        sender had been sent yet is a copy by now).  Bounded by the deadline: by then the senders' own
-        rounds, which end about then, have given up on those chunks."""
-        assert self.reducer is not None
-        if not self.reducer.in_flight:
+        sender had been sent yet is a copy by now).  A member that takes none of it for
+        ``sender_timeout`` (or until the deadline) has stalled: its connection is dropped with what is
+        queued for it, so it never reads values from after the round (it keeps its own for our part)."""
+        reducer = self.reducer
+        assert reducer is not None
+        if not reducer.in_flight:
             return
-        remaining = max(deadline - asyncio.get_running_loop().time(), 0.0) + 1.0
+        bound = min(self.sender_timeout, max(deadline - asyncio.get_running_loop().time(), 0.0))
         try:
-            await asyncio.wait_for(self.reducer.idle.wait(), remaining)
+            await asyncio.wait_for(reducer.idle.wait(), bound)
+            return
         except asyncio.TimeoutError:
-            logger.warning("%d averaged chunks were still being sent when the round ended", self.reducer.in_flight)
+            pass
+        for s in sorted(reducer.in_flight):
+            why = f"took no averaged chunk for {bound:.3g} s after the round ended"
+            self._drop(s, f"part {self.group.my_index}: {why}")
+            cut = reducer.cut.get(s)
+            if cut is not None:
+                logger.info("dropping the connection of member %d: it %s", s, why)
+                cut(f"member {s} {why}")
 
     async def _reduce(self) -> None:
         """Wait for this peer's part, dropping senders that stall."""
@@ -501,10 +517,12 @@ class AllReduceRound:
         await call.done_writing()  # (only if there was no chunk)
 
     # ---- reducing side (one sender) ------------------------------------------------------------
-    async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False) -> Any:
+    async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False,
+                    disconnect: Any = None) -> Any:
         """Async generator run by the P2P handler for one sender of our part.
 
         A sender dropped for what it declared or sent is still served the average of the others.
+        ``disconnect(reason)`` drops the connection the sender's call came on (None: no way to).
         """
         reducer = self.reducer
         if reducer is None:
@@ -513,6 +531,8 @@ class AllReduceRound:
             reducer.fail(sender, "tensor shapes differ")
             raise ValueError(describe_mismatch(self.flat.schema, schema))
         reducer.connect(sender)
+        if disconnect is not None:
+            reducer.cut[sender] = disconnect
         joined = self.group.weights[sender]
         if claimed_weight(weight) != joined:
             reducer.fail(sender, f"called with weight {str(weight)[:40]} but joined with {joined:g}")
@@ -531,11 +551,11 @@ class AllReduceRound:
                 if reducer.detached:
                     yield payload
                     continue
-                reducer.sending()  # resumed once the handler's send returned: the kernel has the bytes
+                reducer.sending(sender)  # resumed once the handler's send returned: the kernel has the bytes
                 try:
                     yield payload
                 finally:
-                    reducer.sent()
+                    reducer.sent(sender)
         finally:
             consumer.cancel()
             await asyncio.gather(consumer, return_exceptions=True)

@@ -265,7 +265,7 @@ class DecentralizedAverager:
         if not 0 <= index < round_.group.size or round_.group.peer_ids[index] != ctx.peer_id:
             raise PermissionError("sender index does not match the caller's identity")
         async for payload in round_.serve(index, first.get("w"), first.get("schema"), requests,
-                                          bool(first.get("nonfinite"))):
+                                          bool(first.get("nonfinite")), ctx.disconnect):
             yield payload
 
     async def shutdown(self) -> None:

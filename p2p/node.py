@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import sys
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
@@ -52,6 +53,9 @@ class CallContext:
     remote_client_mode: bool
     header: dict = field(repr=False)  # the OPEN header, e.g. for auth fields under "a"
     certificate: Certificate | None = None  # the caller's membership certificate (roles), if membership is on
+    # drops the connection this call came on at once, with whatever is still queued for it: for a
+    # handler whose caller stopped reading while the transport holds views of the handler's memory
+    disconnect: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
 
 class AuthHook(Protocol):
@@ -287,7 +291,7 @@ class P2P:
         sid = stream.sid
         assert conn.remote_id is not None
         ctx = CallContext(conn.remote_id, stream.method, conn.remote_addr, conn.remote_client_mode, h,
-                          conn.remote_certificate)
+                          conn.remote_certificate, functools.partial(conn.abort, level=logging.INFO))
         try:
             if kind is CallKind.UNARY or kind is CallKind.SERVER_STREAM:
                 try:

@@ -10,9 +10,10 @@ import torch
 import uvloop
 
 from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
-from averaging.allreduce import _Reducer
+from averaging.allreduce import AllReduceRound, _Reducer
 from averaging.partition import FlatTensors
 from dht import DHTNode
+from p2p import Limits, P2PError
 from p2p.codecs import error_bound
 from tests.averaging.means import assert_exact_mean_everywhere, exact_mean
 
@@ -183,6 +184,72 @@ def test_a_reducer_that_is_done_first_and_changes_its_tensors_at_once_still_serv
         outcomes, received = runner.run(main())
     assert outcomes == [(2, [], [])] * 2
     assert torch.equal(received, torch.full((size,), 2.0))
+
+
+class _SendsThenStopsReading(AllReduceRound):
+    """A member that sends its whole slice, then reads no reply until told to (a frozen process)."""
+
+    resume: asyncio.Event
+    received: list[torch.Tensor]
+    ended_by: list[str]
+
+    async def _exchange(self, j: int, deadline: float) -> None:
+        call = await self.p2p.open(self.group.addresses[j], self.method, first=self._header())
+        async with call:
+            chunks = self._chunks(j)
+            for c, chunk in enumerate(chunks):
+                await call.send(self._outgoing(chunk), end=c == len(chunks) - 1)
+            await self.resume.wait()
+            self.outcome.unaveraged.add(j)  # whatever comes, this member keeps its own values
+            try:
+                async for payload in call:
+                    self.received.append(payload["d"].clone())
+                self.ended_by.append("the end of the stream")
+            except P2PError as e:
+                self.ended_by.append(type(e).__name__)
+
+
+def test_a_member_that_stops_reading_after_the_round_is_cut_off_and_never_sees_later_values():
+    """The bounded side of the wait above: a member that takes no averaged chunk for sender_timeout
+    is dropped, and so is its connection with what was queued for it, so the reducer's step returns
+    and its caller may change its tensors; the member reads only values from before that."""
+    size = 1 << 24
+
+    async def main() -> tuple:
+        first = await DHTNode.create()
+        # it stops taking bytes once 1 MiB waits unread on its side
+        frozen = await DHTNode.create([str(first.address)], client_mode=True,
+                                      p2p_options={"limits": Limits(max_buffered_bytes=1 << 20)})
+        averagers = await make_averagers([first, frozen], [[torch.full((size,), 1.0)], [torch.full((size,), 3.0)]],
+                                         chunk_size=1 << 20, sender_timeout=1.0)
+        averagers[1].round_class = _SendsThenStopsReading
+        _SendsThenStopsReading.resume, _SendsThenStopsReading.received = asyncio.Event(), []
+        _SendsThenStopsReading.ended_by = []
+
+        async def step_then_change(averager):
+            started = asyncio.get_running_loop().time()
+            result = await averager.step(timeout=60)
+            took = asyncio.get_running_loop().time() - started
+            averager.tensors[0].fill_(-7.0)
+            _SendsThenStopsReading.resume.set()
+            return result, took, averager.tensors[0][:1].clone()
+
+        try:
+            (reducer, took, _), member = await asyncio.gather(step_then_change(averagers[0]),
+                                                              averagers[1].step(timeout=60))
+            return reducer, took, member, averagers[1].tensors[0].clone()
+        finally:
+            await shutdown_all(averagers)
+            await asyncio.gather(frozen.shutdown(), first.shutdown())
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        reducer, took, member, member_values = runner.run(main())
+    assert took < 30, f"the reducer's step took {took:.1f} s"  # a bounded wait, not the 60-s deadline
+    assert "took no averaged chunk" in reducer.excluded[member.group_peers[1]]
+    assert _SendsThenStopsReading.ended_by == ["PeerUnreachable"]  # its connection was dropped
+    assert len(_SendsThenStopsReading.received) < 16  # not every chunk reached it
+    assert all(torch.equal(d, torch.full_like(d, 2.0)) for d in _SendsThenStopsReading.received)
+    assert member.unaveraged_parts == [0] and torch.equal(member_values, torch.full((size,), 3.0))
 
 
 async def test_averaged_chunks_no_sender_was_sent_when_the_round_ends_become_copies():
