@@ -233,6 +233,11 @@ class DHTNode:
         await self._traverse([search], want_values=False)
         return self._replica_set(search)
 
+    def still_reachable(self, replicas: Sequence[Contact | None]) -> bool:
+        """Whether no peer of a replica set failed a call since it was found (a failed call drops the
+        contact from the routing table), so the set may be used again without a lookup."""
+        return all(c is None or c.node_id in self.routing for c in replicas)
+
     async def store_many(self, keys: Sequence[Any], values: Sequence[Any],
                          expiration_time: float | Sequence[float], subkeys: Sequence[Any] | None = None) -> list[bool]:
         """Store many records with one traversal; returns per record whether a replica accepted it."""
