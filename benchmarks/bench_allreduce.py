@@ -663,7 +663,8 @@ def print_shaped(size: int, rounds: int, cases: list[dict]) -> None:
                   f"first round, split by those, took {fmt(c['first_round_s'])} s")
         elif not c["told"]:
             declared = "/".join(fmt(b, ".0f") for b in c["declared"])
-            print(f"       no bandwidths configured: the peers measured {declared} Mbit/s (in group order); "
+            print(f"       no bandwidths configured: the peers measured {declared} Mbit/s (links 200/100/50/100c, "
+                  "in that order); "
                   f"the first round, split by the default 100 each, took {fmt(c['first_round_s'])} s")
     print("'c' = client-mode peer (reduces nothing; its own link still carries its whole vector both ways)."
           "  target: bound/ours >= 0.9")
