@@ -39,6 +39,7 @@ import bisect
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +181,7 @@ class _Reducer:
         self.encoded: list[dict | None] = [None] * len(chunks)
         self.detached = False
         self.in_flight: dict[int, int] = {}  # per sender: views handed to its stream, the send not returned yet
-        self.cut: dict[int, Any] = {}  # per sender: drops the connection its call came on (CallContext.disconnect)
+        self.cut: dict[int, Callable[[str], None]] = {}  # per sender: CallContext.disconnect of its call
         self.idle = asyncio.Event()
         self.idle.set()
         self.served = [0] * len(chunks)  # senders that were sent averaged chunk c
@@ -430,8 +431,8 @@ class AllReduceRound:
             return
         except asyncio.TimeoutError:
             pass
+        why = f"took no averaged chunk for {bound:.3g} s after the round ended"
         for s in sorted(reducer.in_flight):
-            why = f"took no averaged chunk for {bound:.3g} s after the round ended"
             self._drop(s, f"part {self.group.my_index}: {why}")
             cut = reducer.cut.get(s)
             if cut is not None:
@@ -518,7 +519,7 @@ class AllReduceRound:
 
     # ---- reducing side (one sender) ------------------------------------------------------------
     async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False,
-                    disconnect: Any = None) -> Any:
+                    disconnect: Callable[[str], None] | None = None) -> Any:
         """Async generator run by the P2P handler for one sender of our part.
 
         A sender dropped for what it declared or sent is still served the average of the others.
