@@ -245,7 +245,8 @@ def _run_with_settings(args: argparse.Namespace) -> int:
 
 class _Parser(argparse.ArgumentParser):
     """A sub-command's parser; with ``settings`` (``_settings_cli``), ``--config`` and a flag per field, added
-    when it parses: the settings import torch, which other sub-commands and --help need not wait for."""
+    when it parses: the expert server's settings import torch, which other sub-commands and --help need not
+    wait for."""
 
     def __init__(self, *args: Any, settings: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -19,8 +19,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 
 from p2p.devices import DeviceName
-from workers.peer import WorkerConfig
-from workers.task import BUILTIN_TASKS
+from workers.worker_config import BUILTIN_TASK_NAMES, WorkerConfig
 
 from .config_loader import ConfigError as ConfigError  # raised for this module's configs by config_checks
 from .config_loader import Loc, ModelFlags, did_you_mean
@@ -400,7 +399,7 @@ class ClusterConfig(_Strict):
         if self.training.task in MOE_TASKS and not servers:
             raise ValueError(f"training.task {self.training.task!r} calls the run's experts, but no node type has "
                              "role: experts (add one to host the grid)")
-        if servers and self.training.task in BUILTIN_TASKS and self.training.task not in MOE_TASKS:
+        if servers and self.training.task in BUILTIN_TASK_NAMES and self.training.task not in MOE_TASKS:
             raise ValueError(f"node type(s) {', '.join(servers)} have role: experts, but training.task "
                              f"{self.training.task!r} uses no experts (use task: moe-charlm)")
         if servers and not self.trainer_types():

@@ -14,7 +14,7 @@ from typing import Any
 
 from p2p import P2PError
 from p2p.devices import pick_device
-from workers.peer import TrainingPeer, WorkerConfig
+from workers.worker_config import WorkerConfig
 
 from .config_loader import ModelFlags
 
@@ -24,6 +24,8 @@ FLAGS = ModelFlags(WorkerConfig, spellings={"identity_path": "--identity"})  # a
 
 
 def run(config: WorkerConfig) -> int:
+    from workers.peer import TrainingPeer  # torch's import (seconds) only once the settings are valid
+
     try:
         pick_device(config.device)  # a GPU asked for and missing: said before anything starts
     except ValueError as e:

@@ -1,12 +1,34 @@
 """workers: one training peer — a task, the DeDLOC collaborative optimizer, Moshpit SGD, state
 hand-off to newcomers and graceful leave on a preemption notice — and the expert host, the
-expert-server role of a mixture-of-experts run."""
+expert-server role of a mixture-of-experts run.
 
-from .collaborative import CollaborativeOptimizer
-from .expert_host import ExpertGridSpec, ExpertHost, ExpertHostConfig, HandOff
-from .moshpit_sgd import MoshpitSGD
-from .peer import TrainingPeer, WorkerConfig
-from .task import Task, load_task
+Names are imported on first use: the orchestrator reads ``workers.worker_config`` to check a config,
+and that must not cost torch's import (seconds) to every command."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .collaborative import CollaborativeOptimizer
+    from .expert_host import ExpertGridSpec, ExpertHost, ExpertHostConfig, HandOff
+    from .moshpit_sgd import MoshpitSGD
+    from .peer import TrainingPeer
+    from .task import Task, load_task
+    from .worker_config import WorkerConfig
+
+_HOMES = {"CollaborativeOptimizer": ".collaborative", "ExpertGridSpec": ".expert_host", "ExpertHost": ".expert_host",
+          "ExpertHostConfig": ".expert_host", "HandOff": ".expert_host", "MoshpitSGD": ".moshpit_sgd",
+          "TrainingPeer": ".peer", "Task": ".task", "load_task": ".task", "WorkerConfig": ".worker_config"}
 
 __all__ = ["CollaborativeOptimizer", "ExpertGridSpec", "ExpertHost", "ExpertHostConfig", "HandOff", "MoshpitSGD",
            "Task", "TrainingPeer", "WorkerConfig", "load_task"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -14,62 +14,23 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import pydantic
 import torch
 
 from dht import DHT
 from experts.errors import NotEnoughExperts
 from p2p import Identity
-from p2p.devices import DeviceName, pick_device
+from p2p.devices import pick_device
 from p2p.membership import Certificate, Membership
 
 from .collaborative import CollaborativeOptimizer
 from .moshpit_sgd import MoshpitSGD
 from .run_keys import run_validators
 from .task import load_task
+from .worker_config import WorkerConfig as WorkerConfig  # where it always was, for importers
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerConfig(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-
-    run: str = pydantic.Field("spotswarm", pattern=r"^[A-Za-z0-9_-]+$", description="peers of one run train together")
-    task: str = pydantic.Field("synthetic", description="built-in task (synthetic, charlm, moe-charlm) or "
-                               "module.path:callable")
-    task_options: dict[str, Any] = pydantic.Field({}, description="keyword arguments of the task's factory")
-    mode: Literal["collaborative", "moshpit"] = pydantic.Field("collaborative", description="how peers combine work")
-    initial_peers: list[str] = pydantic.Field([], description="peers to join through")
-    host: str = pydantic.Field("127.0.0.1", description="address to listen on")
-    announce_host: str | None = pydantic.Field(None, description="the address other machines reach (default: host)")
-    port: int = pydantic.Field(0, ge=0, le=65535, description="port to listen on; 0 is any free port")
-    client_mode: bool = pydantic.Field(False, description="accept no connections (behind NAT)")
-    identity_path: str | None = pydantic.Field(None, description="private key file (keeps the peer id)")
-    target_batch_size: int = pydantic.Field(256, gt=0, description="global batch per optimizer step (collaborative)")
-    # "fp16": the old name of "float16", accepted until the next release
-    compression: Literal["none", "float16", "bfloat16", "uniform8", "blockwise8", "fp16"] = pydantic.Field(
-        "none", description="gradient codec")
-    min_matchmaking_time: float = pydantic.Field(2.0, gt=0, description="seconds to gather an averaging group")
-    averaging_timeout: float = pydantic.Field(30.0, gt=0, description="seconds an averaging round may take")
-    bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
-                                             description="Mbit/s to declare for load balancing (default: measured)")
-    moshpit_grid: list[int] = pydantic.Field([2, 2], description="Moshpit grid (mode moshpit)")
-    group_size: int = pydantic.Field(
-        16, ge=2, description="moshpit: the largest averaging group (also at most max(moshpit_grid))")
-    averaging_period: int = pydantic.Field(10, gt=0, description="local steps between Moshpit averaging rounds")
-    max_epochs: int | None = pydantic.Field(None, gt=0, description="stop after this many global epochs")
-    max_seconds: float | None = pydantic.Field(None, gt=0, description="stop after this many seconds")
-    seed: int = pydantic.Field(0, description="this peer's data order (the initial weights come from the run)")
-    device: DeviceName = pydantic.Field("auto", description="where the model trains: auto (a GPU when torch sees "
-                                        "one), cpu or cuda")
-    min_peers: int = pydantic.Field(1, ge=1, description="wait until this many peers are up before training")
-    min_peers_timeout: float = pydantic.Field(120.0, gt=0, description="seconds to wait for min_peers at most")
-    report_file: str | None = pydantic.Field(None, description="append one JSON line per epoch")
-    param_digests: bool = pydantic.Field(False, description="keep a digest of all parameters per epoch in history")
-    membership_token: str | None = pydantic.Field(None, description="the run's certificate for this peer "
-                                                  "(spotswarm token issue): with it, only members take part")
 
 
 def params_digest(params: list[torch.Tensor]) -> str:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .worker_config import BUILTIN_TASK_NAMES
+
 Batch = Any
 
 
@@ -182,8 +184,8 @@ def moe_charlm_task(batch_size: int = 16, context: int = 64, lr: float = 2e-3, d
                 make_optimizer=lambda params: torch.optim.Adam(params, lr=lr))
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"synthetic": synthetic_task, "charlm": charlm_task,
-                                                  "moe-charlm": moe_charlm_task}
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = dict(zip(BUILTIN_TASK_NAMES, (synthetic_task, charlm_task,
+                                                                             moe_charlm_task), strict=True))
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:

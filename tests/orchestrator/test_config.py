@@ -326,13 +326,23 @@ def test_validate_reports_every_error_and_starts_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml"]  # no run directory
 
 
-def test_validate_does_not_import_ray(tmp_path):
+def test_validate_imports_neither_ray_nor_torch(tmp_path):
+    """Checking a config answers in well under a second: torch's import alone is ~2 s here."""
     path = write(tmp_path, GOOD)
     code = ("import sys; from orchestrator.cli import main; rc = main(['validate', sys.argv[1]]); "
-            "print('rc', rc, 'ray' in sys.modules)")
+            "print('rc', rc, 'ray' in sys.modules, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    assert proc.stdout.splitlines()[-1] == "rc 0 False", proc.stderr
+    assert proc.stdout.splitlines()[-1] == "rc 0 False False", proc.stderr
+
+
+def test_a_worker_with_an_invalid_config_says_so_before_importing_torch(tmp_path):
+    code = ("import sys; from orchestrator.cli import main; rc = main(['worker', '--max-seconds', '-1']); "
+            "print('rc', rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert proc.stdout.splitlines()[-1] == "rc 2 False", proc.stderr
+    assert "--max-seconds: Input should be greater than 0" in proc.stderr
 
 
 def test_bootstrap_script_of_an_unknown_node_type_lists_the_known_ones(capsys):
