@@ -20,8 +20,13 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: $(STAMP)  # CONFIG=cluster_configs/local-moe.yaml runs the mixture-of-experts variant
 	$(BIN)/spotswarm demo --duration 150 $(if $(CONFIG),--config $(CONFIG))
 
+# Two phases: the tests that use one core, two at a time; then those marked serial (Ray, fleets, a browser,
+# several training processes), one at a time, as they need both cores. Both run; either failing fails.
 test: $(STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest
+	@rc=0; \
+	$(BIN)/python -m pytest -m 'not serial' -n 2 || rc=$$?; \
+	$(BIN)/python -m pytest -m serial || rc=$$?; \
+	exit $$rc
 
 $(CHROMIUM):
 	$(SUDO) apt-get update -qq || true  # stale lists may still hold chromium

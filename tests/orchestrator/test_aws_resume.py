@@ -19,6 +19,8 @@ import yaml
 pytest.importorskip("ray")
 boto3 = pytest.importorskip("boto3")
 
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT_EVERY_S = 4.0
 FLEET = 2  # the shipped config's min_workers: losing and retiring a fleet of two proves what three would

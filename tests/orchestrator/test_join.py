@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("ray")
 
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 RAY = Path(sys.executable).with_name("ray")
 CONFIG = """\

@@ -19,7 +19,7 @@ from orchestrator.run_store import RunStore  # noqa: E402
 from orchestrator.supervisor import SupervisorCore  # noqa: E402
 from tests.orchestrator.run_checks import query  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
 
 UIDS = [f"ffn.{i}.{j}" for i in range(2) for j in range(4)]
 

@@ -26,7 +26,7 @@ from tests.orchestrator.run_checks import (  # noqa: E402
     wait_until_preempted,
 )
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.usefixtures("ray_session")]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
 
 
 def node_config(tmp_path: Path) -> ClusterConfig:

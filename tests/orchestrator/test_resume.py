@@ -17,6 +17,8 @@ import pytest
 
 from orchestrator.run_store import RunStore
 
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG = """\
 cluster_name: r

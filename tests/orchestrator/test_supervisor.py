@@ -19,7 +19,7 @@ from tests.orchestrator.run_checks import (  # noqa: E402
     wait_until_preempted,
 )
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
 
 
 def cluster(tmp_path: Path, **overrides) -> ClusterConfig:
