@@ -8,22 +8,13 @@ and that must not cost torch's import (seconds) to every command."""
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .collaborative import CollaborativeOptimizer
-    from .expert_host import ExpertGridSpec, ExpertHost, ExpertHostConfig, HandOff
-    from .moshpit_sgd import MoshpitSGD
-    from .peer import TrainingPeer
-    from .task import Task, load_task
-    from .worker_config import WorkerConfig
+from typing import Any
 
 _HOMES = {"CollaborativeOptimizer": ".collaborative", "ExpertGridSpec": ".expert_host", "ExpertHost": ".expert_host",
           "ExpertHostConfig": ".expert_host", "HandOff": ".expert_host", "MoshpitSGD": ".moshpit_sgd",
           "TrainingPeer": ".peer", "Task": ".task", "load_task": ".task", "WorkerConfig": ".worker_config"}
 
-__all__ = ["CollaborativeOptimizer", "ExpertGridSpec", "ExpertHost", "ExpertHostConfig", "HandOff", "MoshpitSGD",
-           "Task", "TrainingPeer", "WorkerConfig", "load_task"]
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:

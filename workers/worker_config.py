@@ -16,7 +16,7 @@ class WorkerConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     run: str = pydantic.Field("spotswarm", pattern=r"^[A-Za-z0-9_-]+$", description="peers of one run train together")
-    task: str = pydantic.Field("synthetic", description="built-in task (synthetic, charlm, moe-charlm) or "
+    task: str = pydantic.Field("synthetic", description=f"built-in task ({', '.join(BUILTIN_TASK_NAMES)}) or "
                                "module.path:callable")
     task_options: dict[str, Any] = pydantic.Field({}, description="keyword arguments of the task's factory")
     mode: Literal["collaborative", "moshpit"] = pydantic.Field("collaborative", description="how peers combine work")

@@ -34,9 +34,6 @@ class _Lines:
                 return text[self.offset:]  # what it wrote before it ended (or stalled), as a pipe would give
             time.sleep(0.02)
 
-    def close(self) -> None:
-        pass
-
 
 class ForkedProcess:
     """What the tests use of ``subprocess.Popen``, for a child of the zygote (whose exit code the
@@ -65,18 +62,21 @@ class ForkedProcess:
             os.kill(self.pid, sig)
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
 class Zygote:
     """The preloaded interpreter of ``zygote.py``: one per test session, forking every worker."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
 
     def fork(self, argv: list[str], stdout: Path, stderr: Path, cwd: Path) -> ForkedProcess:
         exit_file = stdout.with_suffix(".exit")
         command = {"argv": argv, "stdout": str(stdout), "stderr": str(stderr), "exit": str(exit_file),
-                   "cwd": str(cwd), "env": {**os.environ, "PYTHONPATH": str(ROOT)}}
+                   "cwd": str(cwd), "env": _env()}
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
@@ -122,8 +122,8 @@ class WorkerSwarm:
         return self.start_many(1, *args, initial=initial, **options)[0]
 
     def start_many(self, count: int, *args: str, initial: Worker | None = None, **options) -> list[Worker]:
-        """``count`` workers with the same settings, launched at once (each one's interpreter and
-        imports take seconds) and returned when every one of them listens."""
+        """``count`` workers with the same settings, launched at once and returned when every one of
+        them listens."""
         launched = [self._launch(*args, initial=initial, **options) for _ in range(count)]
         for worker in launched:
             line = worker.proc.stdout.readline(timeout=120)
@@ -170,7 +170,6 @@ class WorkerSwarm:
             if w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGKILL)
                 w.proc.wait(timeout=30)
-            w.proc.stdout.close()
 
 
 @pytest.fixture(scope="session")
