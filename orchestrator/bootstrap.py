@@ -38,7 +38,9 @@ def ray_auth_token() -> str | None:
 
 def ray_start_args(config: ClusterConfig, node_type: str, head_address: str, instance_id: str) -> list[str]:
     resources = dict(config.available_node_types[node_type].resources)
-    args = ["start", f"--address={head_address}", "--block", "--disable-usage-stats"]
+    # no log monitor: it streams the node's logs to drivers, and spotswarm's never ask for them
+    # (log_to_driver is off); on a node that boots to replace a lost one it is a second of CPU saved
+    args = ["start", f"--address={head_address}", "--block", "--disable-usage-stats", "--include-log-monitor=false"]
     for name, flag in _BUILTIN.items():
         if name in resources:
             value = resources.pop(name)
