@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+# Token authentication, Ray's default for a local cluster, for every Ray this process starts or joins
+# (the shared head, test_chaos's local one): set before Ray is imported, which reads it once.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 # Same examples on every run: a failure found once is found again, and CI never flakes on a draw.
 settings.register_profile("deterministic", derandomize=True, database=None)
@@ -75,13 +80,40 @@ def until():
     return _until
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules on the shared Ray head run last, one after another: the head starts once, and no
+    test that starts a Ray of its own runs beside it."""
+    items.sort(key=lambda item: "ray_session" in item.fixturenames)  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session")
+def shared_ray_head(tmp_path_factory):
+    """One ``ray start --head`` for the modules using ``ray_session``: connecting to it takes a fraction
+    of a second, where a local Ray of each module's own took about 5 s and 9 CPU-seconds to start and
+    stop."""
+    pytest.importorskip("ray")
+    from tests.ray_heads import RayHead
+
+    head = RayHead("shared", tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2, own_token=False)
+    try:
+        yield head
+    finally:
+        head.cleanup()
+
+
 @pytest.fixture(scope="module")
-def ray_session(request):
-    """One local Ray for a test module (about 9 s to start); Ray is imported only by modules that use it."""
+def ray_session(request, shared_ray_head):
+    """A test module's connection to the shared Ray, in a namespace of its own: its named actors never
+    meet another module's, and the actors it owns die when it disconnects.  It starts once the nodes
+    of the module before it are marked dead (some had their power cut), so that none of its actors
+    lands on one.  Ray is imported only by modules that use it."""
     ray = pytest.importorskip("ray")
     from orchestrator.cluster import start_ray
 
-    start_ray(namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")
+    shared_ray_head.alive()
+    start_ray(shared_ray_head.address, namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")
+    _wait_for(lambda: sum(node["Alive"] for node in ray.nodes()) == 1, 60,
+              "the nodes of the module before this one to be gone (a module starts on the head alone)")
     yield
     ray.shutdown()
 
