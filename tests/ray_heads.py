@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.bootstrap import ray_auth_token
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,7 +62,7 @@ class RayHead:
         ray = Path(sys.executable).with_name("ray")
         if own_token:
             self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
-        elif self.env.get("RAY_AUTH_MODE") == "token" and not self.env.get("RAY_AUTH_TOKEN"):
+        elif self.env.get("RAY_AUTH_MODE", "").lower() == "token" and ray_auth_token() is None:
             # a local ray.init makes the machine's token when there is none; `ray start` does not
             subprocess.run([str(ray), "get-auth-token", "--generate"], env=self.env, stdout=subprocess.DEVNULL,
                            check=True, timeout=60)
