@@ -158,6 +158,12 @@ class WorkerSwarm:
         for w in workers:
             w.proc.wait(timeout=timeout)
 
+    def assert_succeeded(self, workers: list[Worker]) -> None:
+        """Every one exited 0; otherwise name each that did not, with the end of its log."""
+        failed = [f"--- worker {self.workers.index(w)}: exit code {w.proc.poll()}\n{w.stderr()[-3000:]}"
+                  for w in workers if w.proc.poll() != 0]
+        assert not failed, "\n".join(failed)
+
     def stop(self, workers: list[Worker], timeout: float = 60) -> None:
         """Ask workers to leave (SIGTERM, a preemption notice) and wait until they have."""
         for w in workers:

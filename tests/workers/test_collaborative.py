@@ -21,7 +21,7 @@ def test_four_peers_end_every_epoch_with_identical_parameters_and_learn(worker_s
     others = worker_swarm.start_many(3, min_peers=4, max_epochs=8, initial=first, **COMMON)
     peers = [first, *others]
     worker_swarm.finish(peers, timeout=150)
-    assert all(w.proc.returncode == 0 for w in peers), [w.stderr()[-2000:] for w in peers]
+    worker_swarm.assert_succeeded(peers)
     for epoch in range(1, 9):
         assert same_params(peers, epoch), f"parameters differ after epoch {epoch}"
     losses = [first.epochs()[e]["loss"] for e in range(1, 9)]

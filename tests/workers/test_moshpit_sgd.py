@@ -23,7 +23,7 @@ def test_moshpit_sgd_reaches_a_loss_comparable_to_the_collaborative_optimizer(wo
     mosh = [first, *worker_swarm.start_many(3, "--moshpit-grid", "2", "2", task="synthetic", mode="moshpit",
                                             averaging_period=4, max_epochs=10, min_peers=4, initial=first)]
     worker_swarm.finish(mosh, timeout=150)
-    assert all(w.proc.returncode == 0 for w in collab + mosh)
+    worker_swarm.assert_succeeded(collab + mosh)
     assert sum(r["peers"] > 1 for w in mosh for r in w.records()) >= 10  # it really averaged in groups
     start = sum(w.records()[0]["loss"] for w in mosh) / 4
     assert final_loss(mosh) < 0.6 * start

@@ -39,8 +39,11 @@ def preload() -> None:
 
 def run_child(command: dict) -> int:
     """In the forked child: become ``spotswarm worker ARGV`` with its own files, then exit."""
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+    # As a fresh interpreter sets it at startup: a write to a peer that has gone raises
+    # BrokenPipeError for the code to handle, instead of killing the process.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
