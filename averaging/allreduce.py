@@ -265,19 +265,41 @@ class _Reducer:
             return refused
         magnitudes = {s: m for s, (_, m) in contributions.items()}
         if self.own_weight > 0:
-            magnitudes[_OWN] = norm(view) * self.scale / self.own_weight
-        ordered = sorted(magnitudes.values())
-        middle = (len(ordered) - 2) // 2  # the lower median of the others, once one is left out
-        for s, (_, magnitude) in contributions.items():
-            if len(ordered) < 2 or s in refused:
-                continue
-            position = bisect.bisect_left(ordered, magnitude)
-            reference = ordered[middle + 1] if position <= middle else ordered[middle]
+            # Our norm costs a pass over the chunk; it is needed only where it could change a verdict.
+            # A median never falls when one of its values rises, so with ours taken as 0 every
+            # sender's reference is a lower bound: if each sender passes against that bound, none fails.
+            magnitudes[_OWN] = 0.0
+            if not self._all_pass(contributions, magnitudes, refused):
+                magnitudes[_OWN] = norm(view) * self.scale / self.own_weight
+        for s, reference in self._references(contributions, magnitudes, refused).items():
+            magnitude = contributions[s][1]
             # a reference of 0 (most others sent zeros: e.g. unused embedding rows) gives no scale
             if reference > 0 and magnitude > self.norm_ratio * reference:
                 refused[s] = (f"chunk {c}: norm {magnitude:.3g}, over {self.norm_ratio:g} x the median norm "
                               f"{reference:.3g} of the other contributions")
         return refused
+
+    def _all_pass(self, contributions: dict[int, tuple[torch.Tensor, float]], magnitudes: dict[int, float],
+                  refused: dict[int, str]) -> bool:
+        """Whether every sender not yet refused is within ``norm_ratio`` of a positive reference."""
+        assert self.norm_ratio is not None
+        return all(0 < reference and contributions[s][1] <= self.norm_ratio * reference
+                   for s, reference in self._references(contributions, magnitudes, refused).items())
+
+    @staticmethod
+    def _references(contributions: dict[int, tuple[torch.Tensor, float]], magnitudes: dict[int, float],
+                    refused: dict[int, str]) -> dict[int, float]:
+        """Per sender still in: the lower median of the other magnitudes (ours among them)."""
+        ordered = sorted(magnitudes.values())
+        if len(ordered) < 2:
+            return {}
+        middle = (len(ordered) - 2) // 2  # the lower median of the others, once one is left out
+        out = {}
+        for s, (_, magnitude) in contributions.items():
+            if s not in refused:
+                position = bisect.bisect_left(ordered, magnitude)
+                out[s] = ordered[middle + 1] if position <= middle else ordered[middle]
+        return out
 
     def take(self, c: int) -> dict:
         """Averaged chunk c for one sender; once every expected sender had it, the copy is dropped

@@ -265,6 +265,59 @@ async def test_averaged_chunks_no_sender_was_sent_when_the_round_ends_become_cop
     assert torch.equal(reducer.take(1)["d"], torch.full((4,), 2.0))
 
 
+@pytest.mark.parametrize("own_weight", [0.0, 0.25, 1.0, 3.0])
+async def test_a_reducer_ends_with_the_weighted_mean_of_its_own_values_and_the_senders(own_weight):
+    """Our values are weighted in place or not at all (a weight of at least 1 divides out): whatever
+    our weight, including none, the part ends at the weighted mean of the values admitted."""
+    own = torch.linspace(-3.0, 5.0, 12)
+    sent = {1: (2.0, torch.linspace(7.0, -1.0, 12)), 2: (1e6, torch.full((12,), 0.5)), 3: (0.5, torch.arange(12.0))}
+    flat = FlatTensors([own.clone()])
+    reducer = _Reducer(flat, flat.chunks(0, 12, 4, Codec.NONE), {s: w for s, (w, _) in sent.items()}, own_weight,
+                       {}, 10.0, None)
+    for s, (_, values) in sent.items():
+        for c in range(3):
+            reducer.add(s, c, {"c": "none", "d": values[4 * c:4 * c + 4].clone()})
+    terms = [(own_weight, own)] + list(sent.values())
+    expected = sum(w * v.double() for w, v in terms) / sum(w for w, _ in terms)
+    torch.testing.assert_close(flat.flat.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def counting_norms(monkeypatch) -> list[int]:
+    """Counts the reducer's own norm reads (the real function still answers)."""
+    import averaging.allreduce as allreduce
+
+    sizes: list[int] = []
+    real = allreduce.norm
+    monkeypatch.setattr(allreduce, "norm", lambda x: sizes.append(x.numel()) or real(x))
+    return sizes
+
+
+async def test_the_median_screen_reads_our_norm_only_where_it_could_change_a_verdict(monkeypatch):
+    reads = counting_norms(monkeypatch)
+    # three senders of like norms pass against any value ours could have: ours is not read
+    flat = FlatTensors([torch.full((8,), 1e6)])
+    reducer = _Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, {}, 10.0, 100.0)
+    for s, value in ((1, 1.0), (2, 2.0), (3, 50.0)):
+        reducer.add(s, 0, {"c": "none", "d": torch.full((8,), value)})
+    assert reads == [] and reducer.failed == {}
+    torch.testing.assert_close(flat.flat, torch.full((8,), (1e6 + 53.0) / 4))
+
+    # one sender: ours is the only reference, so it is read, and an outsized sender is refused
+    flat = FlatTensors([torch.ones(8)])
+    reducer = _Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0}, 1.0, {}, 10.0, 100.0)
+    reducer.add(1, 0, {"c": "none", "d": torch.full((8,), 1000.0)})
+    assert reads == [8] and "over 100 x the median norm" in reducer.failed[1]
+    assert torch.equal(flat.flat, torch.ones(8))  # the refused chunk stayed out of the mean
+
+    # a sender that passes only against our norm, not against the bound without it: ours decides
+    reads.clear()
+    flat = FlatTensors([torch.full((8,), 10.0)])
+    reducer = _Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, {}, 10.0, 100.0)
+    for s, value in ((1, 0.01), (2, 1.0), (3, 50.0)):
+        reducer.add(s, 0, {"c": "none", "d": torch.full((8,), value)})
+    assert reads == [8] and reducer.failed == {}  # 50 is within 100 x 1, the median of (0.01, 1, ours 10)
+
+
 async def test_a_peer_sending_nan_is_excluded_and_the_others_are_correct(swarm):
     nodes = await swarm(5)
     tensors = [data(i) for i in range(5)]
