@@ -5,7 +5,10 @@ Part 1, loopback: N peer processes (``_allreduce_peer.py``) each average one flo
 the peers' stdin) and checks that every peer ends with the mean of the vectors it was given
 (sampled elements, the float64 sum, and bit-identical buffers).  A raw-socket baseline
 (``_allreduce_raw_peer.py``) moves the same bytes an all-reduce moves between N processes with
-``sendall`` / ``recv_into`` and no arithmetic, in the same run.
+``sendall`` / ``recv_into`` and no arithmetic, in the same run.  Each configuration first runs one
+warm-up round, checked but left out of the figures: ours then splits by measured bandwidths, and
+the reference library's DHT has converged (its first matchmaking sometimes found no group, which
+left a configuration without a figure).
 
 Part 2, shaped links: every peer in its own network namespace (``arbench-*``, 10.77.0.0/24, made
 and removed by this script), joined by a bridge in another one, its egress and ingress shaped with
@@ -102,6 +105,8 @@ class AvgRun:
     rss_kb: list[int] = field(default_factory=list)
     peak_pss_kb: int = 0
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what went wrong in the reference's warm-up rounds
+    warmup: list[dict] = field(default_factory=list)  # rounds run before the measured ones, not in the figures
     part_sizes: list[int] = field(default_factory=list)
     probed: list[float | None] = field(default_factory=list)  # Mbit/s each member's probe measured
 
@@ -183,10 +188,12 @@ class PeerSet:
             raise
 
     def run(self, members: Sequence[int], rounds: int, prefix: str, bandwidths: Sequence[float] | None = None,
-            sample_pss: bool = False, probe: bool = False) -> AvgRun:
+            sample_pss: bool = False, probe: bool = False, warmup: int = 0) -> AvgRun:
         """``rounds`` synchronized rounds of the group ``members``; every result is checked.  ``probe``:
         before the first round, each member in turn probes its upload to two of the others (as a
-        collaborative newcomer does to the peers it loads state from)."""
+        collaborative newcomer does to the peers it loads state from).  ``warmup`` rounds come first
+        and stay out of the figures: a wrong result in one of ours is still an error, the reference
+        library's (its first matchmaking may find no group while its DHT converges) only a note."""
         n, size = len(members), self.size
         run = AvgRun(self.impl, n, size)
         peers = [self.children[i] for i in members]
@@ -205,7 +212,7 @@ class PeerSet:
                         run.probed.append(c.recv("probed", time.monotonic() + 60)["probed"])
             pids = [c.proc.pid for c in peers]
             sampler = PeakSampler(lambda: tree_pss_kb(pids)) if sample_pss else None
-            for rnd in range(rounds):
+            for rnd in range(warmup + rounds):
                 deadline = time.monotonic() + 60 + (size * 4 * n) / 20e6  # generous: refill + checksums
                 for c in peers:
                     c.send(f"prep {rnd}")
@@ -217,7 +224,7 @@ class PeerSet:
                 problems = _check_round(self.impl, size, pre, post, n)
                 run.part_sizes = post[0].get("part_sizes") or []
                 matched = [r["t_end"] - r["allreduce_time"] for r in post]
-                run.rounds.append({
+                (run.warmup if rnd < warmup else run.rounds).append({
                     "ok": not problems, "problems": problems,
                     "mm": max(r["matchmaking_time"] for r in post),
                     "ar": max(r["allreduce_time"] for r in post),
@@ -227,10 +234,13 @@ class PeerSet:
                     "peers": [{k: r.get(k) for k in ("t_start", "t_end", "matchmaking_time", "allreduce_time",
                                                       "my_index", "diag", "bandwidth")} for r in post],
                 })
-                run.errors.extend(f"round {rnd}: {p}" for p in problems)
+                what = f"warm-up round {rnd}" if rnd < warmup else f"round {rnd - warmup}"
+                (run.notes if rnd < warmup and self.impl != "ours" else run.errors).extend(
+                    f"{what}: {p}" for p in problems)
                 for k, c in enumerate(peers):  # what the peers said about it (warnings, tracebacks)
                     if any(p.startswith(f"peer {k}:") for p in problems) and c.tail(3):
-                        run.errors.append(f"round {rnd}: peer {k} stderr:{c.tail(3)}")
+                        (run.notes if rnd < warmup and self.impl != "ours" else run.errors).append(
+                            f"{what}: peer {k} stderr:{c.tail(3)}")
             if sampler is not None:
                 run.peak_pss_kb = sampler.stop()
         except ChildFailed as e:
@@ -253,8 +263,10 @@ class PeerSet:
 
 
 def run_averaging(impl: str, configs: Sequence[tuple[int, int]], rounds: int, *, sample_pss: bool = False,
-                  round_timeout: float = 120.0, profile_dir: str = "") -> dict[tuple[int, int], AvgRun]:
-    """Loopback runs of the (n, size) configs; ours runs configs of one size on one set of processes."""
+                  round_timeout: float = 120.0, profile_dir: str = "",
+                  warmup: int = 1) -> dict[tuple[int, int], AvgRun]:
+    """Loopback runs of the (n, size) configs, each ``warmup`` rounds then ``rounds`` measured ones;
+    ours runs configs of one size on one set of processes."""
     out: dict[tuple[int, int], AvgRun] = {}
     groups: list[list[tuple[int, int]]] = []
     for n, size in configs:
@@ -270,7 +282,8 @@ def run_averaging(impl: str, configs: Sequence[tuple[int, int]], rounds: int, *,
         try:
             peers = PeerSet(impl, largest, size, round_timeout=round_timeout, profile_dir=profile_dir)
             for n, _ in sorted(group):
-                out[n, size] = peers.run(range(n), rounds, prefix=f"o{n}x{size}", sample_pss=sample_pss)
+                out[n, size] = peers.run(range(n), rounds, prefix=f"o{n}x{size}", sample_pss=sample_pss,
+                                         warmup=warmup)
         except ChildFailed as e:
             for key in group:
                 out.setdefault(key, AvgRun(impl, key[0], size)).errors.append(str(e))
@@ -470,6 +483,8 @@ def _label(n: int, size: int) -> str:
 def print_errors(run: AvgRun) -> None:
     for e in run.errors[:6]:
         print(f"  !! {run.impl} {_label(run.n, run.size)}: {e}")
+    for e in run.notes[:3]:
+        print(f"  .. {run.impl} {_label(run.n, run.size)} (not in the figures): {e}")
 
 
 def _gb(kb: float | None) -> float | None:
@@ -541,7 +556,7 @@ LOOPBACK_TARGETS = {(4, 10 * M): "<=0.25", (8, 10 * M): "<=0.5", (4, 100 * M): "
 
 def print_loopback(lb: Loopback) -> None:
     print("Part 1: loopback, peers as processes (seconds per round, median of "
-          f"{lb.rounds}; matchmaking / all-reduce = slowest peer's StepResult times)")
+          f"{lb.rounds} after a warm-up round; matchmaking / all-reduce = slowest peer's StepResult times)")
     rows = []
     for n, size in lb.configs:
         raw = lb.raws[n, size]
