@@ -73,13 +73,24 @@ def test_the_estimate_is_the_median_of_recent_rounds_capped():
 def test_a_round_figure_adds_up_the_connections_that_share_the_uplink():
     # three receivers each slower than our uplink's share: alone none shows it, together they do
     per_connection = [[8e6, 8.2e6, 7.9e6], [8.1e6, 8e6], [7.8e6, 8e6, 8e6]]
-    totals = [23.9e6, 24.2e6, 16e6, 24e6]  # one moment with only two connections flowing
-    assert BandwidthMeter.round_figure(per_connection, totals) == 23.95e6
+    totals = [(3, 23.9e6), (3, 24.2e6), (2, 16e6), (3, 24e6)]  # one moment with only two flowing
+    assert BandwidthMeter.round_figure(per_connection, totals) == 24e6
     # one connection: its median (a sum of one is that connection's sample)
-    assert BandwidthMeter.round_figure([[5e6, 9e6, 6e6]], [5e6, 9e6, 6e6]) == 6e6
+    assert BandwidthMeter.round_figure([[5e6, 9e6, 6e6]], [(1, 5e6), (1, 9e6), (1, 6e6)]) == 6e6
     # a lone burst in the totals never beats a steadier best connection
-    assert BandwidthMeter.round_figure([[10e6, 10e6, 10e6]], [4e6, 4e6, 30e6]) == 10e6
+    assert BandwidthMeter.round_figure([[10e6, 10e6, 10e6]], [(1, 4e6), (1, 4e6), (1, 30e6)]) == 10e6
     assert BandwidthMeter.round_figure([], []) == 0.0
+
+
+def test_a_round_figure_leaves_out_the_tail_when_only_the_slowest_receiver_still_takes_data():
+    # sending to three receivers at once fills our 24 MB/s uplink; then the two fast ones are done
+    # and only the slow one (4 MB/s) takes data, for more of the round's moments than the rest
+    per_connection = [[8e6] * 4, [8e6] * 4, [8e6] * 4 + [4e6] * 6]
+    totals = [(3, 24e6)] * 4 + [(1, 4e6)] * 6
+    assert BandwidthMeter.round_figure(per_connection, totals) == 24e6
+    # the busiest moments are too few to go by alone: the next busiest ones come in with them
+    totals = [(3, 60e6), (2, 16e6), (2, 16e6), (2, 15e6), (1, 4e6)]
+    assert BandwidthMeter.round_figure(per_connection, totals) == 16e6
 
 
 @pytest.mark.timeout(60)
