@@ -106,7 +106,6 @@ class AvgRun:
     peak_pss_kb: int = 0
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what went wrong in the reference's warm-up rounds
-    warmup: list[dict] = field(default_factory=list)  # rounds run before the measured ones, not in the figures
     part_sizes: list[int] = field(default_factory=list)
     probed: list[float | None] = field(default_factory=list)  # Mbit/s each member's probe measured
 
@@ -223,8 +222,16 @@ class PeerSet:
                 post = [c.recv("round", deadline) for c in peers]
                 problems = _check_round(self.impl, size, pre, post, n)
                 run.part_sizes = post[0].get("part_sizes") or []
+                what = f"warm-up round {rnd}" if rnd < warmup else f"round {rnd - warmup}"
+                log = run.notes if rnd < warmup and self.impl != "ours" else run.errors
+                log.extend(f"{what}: {p}" for p in problems)
+                for k, c in enumerate(peers):  # what the peers said about it (warnings, tracebacks)
+                    if any(p.startswith(f"peer {k}:") for p in problems) and c.tail(3):
+                        log.append(f"{what}: peer {k} stderr:{c.tail(3)}")
+                if rnd < warmup:
+                    continue  # checked, not in the figures
                 matched = [r["t_end"] - r["allreduce_time"] for r in post]
-                (run.warmup if rnd < warmup else run.rounds).append({
+                run.rounds.append({
                     "ok": not problems, "problems": problems,
                     "mm": max(r["matchmaking_time"] for r in post),
                     "ar": max(r["allreduce_time"] for r in post),
@@ -234,13 +241,6 @@ class PeerSet:
                     "peers": [{k: r.get(k) for k in ("t_start", "t_end", "matchmaking_time", "allreduce_time",
                                                       "my_index", "diag", "bandwidth")} for r in post],
                 })
-                what = f"warm-up round {rnd}" if rnd < warmup else f"round {rnd - warmup}"
-                (run.notes if rnd < warmup and self.impl != "ours" else run.errors).extend(
-                    f"{what}: {p}" for p in problems)
-                for k, c in enumerate(peers):  # what the peers said about it (warnings, tracebacks)
-                    if any(p.startswith(f"peer {k}:") for p in problems) and c.tail(3):
-                        (run.notes if rnd < warmup and self.impl != "ours" else run.errors).append(
-                            f"{what}: peer {k} stderr:{c.tail(3)}")
             if sampler is not None:
                 run.peak_pss_kb = sampler.stop()
         except ChildFailed as e:
