@@ -62,6 +62,8 @@ DEFAULT_MAX_WEIGHT = 1e6
 DEFAULT_NORM_RATIO = 100.0
 WINDOW_BYTES = 12 << 20  # a sender's unanswered chunks per reducer, in float32 bytes (with 6 of 64K: 1.5 MiB)
 _OWN = -1  # the reducer's own contribution, among the senders' indices
+# The running mean takes differences of two admitted values: each must stay under half the range
+_MAX_MAGNITUDE = FLOAT32_MAX / 2
 _MAX_REASON = 200  # characters of a reason reported by another peer that we keep
 
 
@@ -164,11 +166,6 @@ class _Reducer:
         self.expected = set(sender_weights)
         self.sender_weight = sender_weights
         self.own_weight = weight if weight > 0 else 0.0
-        # Our values stay as they are and each sender's are added at weight w / scale, the sum then
-        # divided by total / scale: with scale = our weight that is one pass over the part less than
-        # weighting our values first.  Only for a weight of at least 1, so no sender's term can grow
-        # past what the overflow screen let in; below that our values are weighted in place (scale 1).
-        self.scale = self.own_weight if self.own_weight >= 1 else 1.0
         self.failed: dict[int, str] = {s: why for s, why in excluded.items() if s in self.expected}
         self.connected: set[int] = set()
         self.sender_timeout = sender_timeout
@@ -186,12 +183,9 @@ class _Reducer:
         self.idle.set()
         self.served = [0] * len(chunks)  # senders that were sent averaged chunk c
         self.progress: dict[int, float] = {s: time.monotonic() for s in self.expected}
-        for chunk in chunks:  # own contribution, in place: this memory becomes the average
-            view = flat.flat[chunk.start:chunk.end]
-            if self.own_weight == 0:
-                view.zero_()
-            elif self.scale != self.own_weight:
-                view.mul_(self.own_weight)
+        if self.own_weight == 0:  # our values (maybe not finite) must not enter the running mean
+            for chunk in chunks:
+                flat.flat[chunk.start:chunk.end].zero_()
         self._settle()
 
     def connect(self, sender: int) -> None:
@@ -237,13 +231,14 @@ class _Reducer:
         self.pending[c] = {}
         view = self.flat.flat[self.chunks[c].start:self.chunks[c].end]
         refused = self._screen(c, contributions, view)
+        # Our values, in place, become the running weighted mean: one pass per sender and none to
+        # weight our values or divide at the end; every intermediate is a convex combination of
+        # admitted values, so none can overflow once each is under half the float32 range.
         total = self.own_weight
-        for s in sorted(contributions):  # a fixed order: the sum does not depend on arrival times
+        for s in sorted(contributions):  # a fixed order: the mean does not depend on arrival times
             if s not in refused:
-                view.add_(contributions[s][0], alpha=self.sender_weight[s] / self.scale)
                 total += self.sender_weight[s]
-        if total > 0 and total != self.scale:
-            view.div_(total / self.scale)
+                view.lerp_(contributions[s][0], self.sender_weight[s] / total)
         payload = encode(self.chunks[c].codec, view)
         if payload["c"] != Codec.NONE.value:
             decode_into(payload, view)  # keep exactly what the senders will decode
@@ -256,11 +251,9 @@ class _Reducer:
                 view: torch.Tensor) -> dict[int, str]:
         """Senders whose chunk c must stay out of the sum, and why."""
         refused: dict[int, str] = {}
-        limit = FLOAT32_MAX / (len(self.expected) + 1)  # no sum of admitted terms can overflow
         for s, (_, magnitude) in contributions.items():  # max |x| <= L2 norm
-            if magnitude * self.sender_weight[s] > limit:
-                refused[s] = (f"chunk {c}: values of norm {magnitude:.3g} at weight {self.sender_weight[s]:g} "
-                              f"could overflow the sum")
+            if magnitude > _MAX_MAGNITUDE:
+                refused[s] = f"chunk {c}: values of norm {magnitude:.3g} could overflow the average"
         if self.norm_ratio is None or not contributions:
             return refused
         magnitudes = {s: m for s, (_, m) in contributions.items()}
@@ -270,7 +263,7 @@ class _Reducer:
             # sender's reference is a lower bound: if each sender passes against that bound, none fails.
             magnitudes[_OWN] = 0.0
             if not self._all_pass(contributions, magnitudes, refused):
-                magnitudes[_OWN] = norm(view) * self.scale / self.own_weight
+                magnitudes[_OWN] = norm(view)
         for s, reference in self._references(contributions, magnitudes, refused).items():
             magnitude = contributions[s][1]
             # a reference of 0 (most others sent zeros: e.g. unused embedding rows) gives no scale

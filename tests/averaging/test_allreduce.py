@@ -267,8 +267,8 @@ async def test_averaged_chunks_no_sender_was_sent_when_the_round_ends_become_cop
 
 @pytest.mark.parametrize("own_weight", [0.0, 0.25, 1.0, 3.0])
 async def test_a_reducer_ends_with_the_weighted_mean_of_its_own_values_and_the_senders(own_weight):
-    """Our values are weighted in place or not at all (a weight of at least 1 divides out): whatever
-    our weight, including none, the part ends at the weighted mean of the values admitted."""
+    """Our values become the running mean in place: whatever our weight, including none, the part
+    ends at the weighted mean of the values admitted."""
     own = torch.linspace(-3.0, 5.0, 12)
     sent = {1: (2.0, torch.linspace(7.0, -1.0, 12)), 2: (1e6, torch.full((12,), 0.5)), 3: (0.5, torch.arange(12.0))}
     flat = FlatTensors([own.clone()])
@@ -280,6 +280,18 @@ async def test_a_reducer_ends_with_the_weighted_mean_of_its_own_values_and_the_s
     terms = [(own_weight, own)] + list(sent.values())
     expected = sum(w * v.double() for w, v in terms) / sum(w for w, _ in terms)
     torch.testing.assert_close(flat.flat.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+async def test_large_values_at_a_large_weight_are_averaged_and_only_values_that_could_overflow_are_refused():
+    """The running mean never holds more than the largest admitted value, so a weight cannot make it
+    overflow; values past half the float32 range could (their difference with ours), and are refused."""
+    flat = FlatTensors([torch.full((4,), -1e37)])
+    reducer = _Reducer(flat, flat.chunks(0, 4, 4, Codec.NONE), {1: 1e6, 2: 1.0}, 1.0, {}, 10.0, None)
+    reducer.add(1, 0, {"c": "none", "d": torch.full((4,), 3e37)})
+    reducer.add(2, 0, {"c": "none", "d": torch.full((4,), 1.5e38)})  # norm 3e38: over half the range
+    assert list(reducer.failed) == [2] and "could overflow the average" in reducer.failed[2]
+    expected = (1e6 * 3e37 - 1e37) / (1e6 + 1)
+    torch.testing.assert_close(flat.flat.double(), torch.full((4,), expected, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
 def counting_norms(monkeypatch) -> list[int]:
