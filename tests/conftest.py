@@ -15,6 +15,11 @@ from hypothesis import settings
 # Token authentication, Ray's default for a local cluster, for every Ray this process starts or joins
 # (the shared head, test_chaos's local one): set before Ray is imported, which reads it once.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Dead nodes declared after three failed health checks a second apart (Ray's default: five, 3 s apart),
+# so a module does not wait long for the nodes of the one before to be gone; an answer may take 5 s.
+for _key, _value in {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
+                     "RAY_health_check_timeout_ms": "5000", "RAY_health_check_failure_threshold": "3"}.items():
+    os.environ.setdefault(_key, _value)
 
 # Same examples on every run: a failure found once is found again, and CI never flakes on a draw.
 settings.register_profile("deterministic", derandomize=True, database=None)
