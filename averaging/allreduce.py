@@ -21,9 +21,9 @@ its connection, so no transport is left holding views of a buffer its owner chan
 tell senders whom they dropped and why, so every peer can report every failure it was part of.
 
 Hostile members: a chunk is averaged only once every sender delivered it (until then each
-sender's decoded slice waits, at most ``window`` chunks per sender), and before summing the
+sender's decoded slice waits, at most ``window`` chunks per sender), and before averaging the
 reducer drops any sender whose chunk is malformed or in a foreign dtype, not finite, large enough
-to overflow the sum, or whose L2 norm is more than ``norm_ratio`` times the median norm of the
+to overflow the mean, or whose L2 norm is more than ``norm_ratio`` times the median norm of the
 other contributions to that chunk; the weights are renormalized over the rest, so the result is the
 average of the others.  A dropped sender is dropped for the rest of that part, from the chunk
 where it was caught on.  A member whose declared weight is not finite, negative or over
@@ -155,8 +155,8 @@ def _payload_bytes(payload: dict) -> int:
 class _Reducer:
     """Averages this peer's part over the senders' chunks and releases averaged chunks as they complete.
 
-    A chunk is summed once every expected sender delivered it or was dropped: the contributions
-    are screened together, so the ones refused never enter the sum.
+    A chunk is averaged once every expected sender delivered it or was dropped: the contributions
+    are screened together, so the ones refused never enter the mean.
     """
 
     def __init__(self, flat: FlatTensors, chunks: list[Chunk], sender_weights: dict[int, float], weight: float,
@@ -249,7 +249,7 @@ class _Reducer:
 
     def _screen(self, c: int, contributions: dict[int, tuple[torch.Tensor, float]],
                 view: torch.Tensor) -> dict[int, str]:
-        """Senders whose chunk c must stay out of the sum, and why."""
+        """Senders whose chunk c must stay out of the mean, and why."""
         refused: dict[int, str] = {}
         for s, (_, magnitude) in contributions.items():  # max |x| <= L2 norm
             if magnitude > _MAX_MAGNITUDE:
