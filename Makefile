@@ -7,6 +7,7 @@ BENCH_VENV := .bench-venv
 # The dashboard's browser test drives Debian's Chromium; it is installed from apt, never downloaded.
 CHROMIUM := /usr/bin/chromium
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PACKAGES := p2p dht averaging experts workers orchestrator benchmarks tests
 
 .PHONY: demo test bench bench-quick lint install bench-env clean
 
@@ -15,6 +16,9 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	# an editable install leaves our own modules uncompiled; where PYTHONDONTWRITEBYTECODE is set, every
+	# process (each Ray worker, each simulated instance) would compile them again: compile them once here
+	$(BIN)/python -m compileall -q -j 0 $(PACKAGES)
 	touch $(STAMP)
 
 demo: $(STAMP)  # CONFIG=cluster_configs/local-moe.yaml runs the mixture-of-experts variant
@@ -22,8 +26,10 @@ demo: $(STAMP)  # CONFIG=cluster_configs/local-moe.yaml runs the mixture-of-expe
 
 # Two phases: the tests that use one core, two at a time; then those marked serial (Ray, fleets, a browser,
 # several training processes), one at a time, as they need both cores. Both run; either failing fails.
+# PYTHONDONTWRITEBYTECODE is cleared for the tests: pytest then keeps its rewritten test modules in
+# __pycache__ instead of rewriting all of them in every process (3.5 CPU-s each).
 test: $(STAMP) $(CHROMIUM)
-	@rc=0; \
+	@rc=0; export PYTHONDONTWRITEBYTECODE=; \
 	$(BIN)/python -m pytest -m 'not serial' -n 2 || rc=$$?; \
 	$(BIN)/python -m pytest -m serial || rc=$$?; \
 	exit $$rc
