@@ -93,6 +93,12 @@ def worker_pids(leader: int, marker: str = "WorkerActor") -> list[int]:
 
 
 def node_alive(leader: int) -> bool:
+    """Whether any process of the node lives.  While the session's leader (the boot script) runs,
+    it does, and asking the leader alone spares a scan of every process on the machine: the local
+    provider asks this of every instance on every poll."""
+    with suppress(psutil.Error, OSError):
+        if os.getsid(leader) == leader and psutil.Process(leader).status() != psutil.STATUS_ZOMBIE:
+            return True
     return bool(_node_pids(leader))
 
 
