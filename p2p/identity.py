@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,12 +55,30 @@ class PeerID:
         return f"PeerID({self.to_string()[:14]}…)"
 
 
+# A peer meets the same signed records again and again (every lookup of the swarm's progress
+# returns each peer's latest record from several nodes), and a verification costs ~190 us here
+# against ~2 us for hashing: signatures that verified are remembered, by a digest of the data.
+_VERIFIED_MAX = 4096
+_verified: dict[tuple[bytes, bytes, bytes], None] = {}
+_verified_lock = threading.Lock()
+
+
 def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """True if ``signature`` is ``public_key``'s Ed25519 signature of ``data``."""
+    seen = (public_key, signature, hashlib.blake2b(data).digest()) \
+        if type(public_key) is bytes and type(signature) is bytes and type(data) is bytes else None
+    if seen in _verified:
+        return True
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
     except (InvalidSignature, ValueError, TypeError):
-        return False
+        return False  # not remembered: junk signatures cannot push out the ones that verified
+    if seen is None:
+        return True
+    with _verified_lock:
+        if len(_verified) >= _VERIFIED_MAX:
+            del _verified[next(iter(_verified))]  # the oldest
+        _verified[seen] = None
     return True
 
 
