@@ -62,7 +62,7 @@ from _common import (
 
 
 def _load_balancing():
-    """averaging/load_balancing.py by path: the parent needs only its LP (numpy + scipy), not torch."""
+    """averaging/load_balancing.py by path: the parent needs only its LP (numpy), not torch."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_bench_load_balancing",
