@@ -15,7 +15,14 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	# uv installs the pinned set in ~50 s where pip takes ~150 s (pip unpacks and compiles one file at a
+	# time). uv reads no pip configuration, so the wheel folders pip is told of (PIP_FIND_LINKS, else pip's
+	# find-links setting; here, the CPU build of torch) are passed on. Where uv cannot be had or fails, pip does it.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt uv || true
+	links="$${PIP_FIND_LINKS:-$$($(BIN)/python -m pip config get global.find-links 2>/dev/null)}"; \
+	{ test -x $(BIN)/uv && $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode \
+		-c constraints.txt $$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done) -e '.[test]'; } \
+	|| $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	# an editable install leaves our own modules uncompiled; where PYTHONDONTWRITEBYTECODE is set, every
 	# process (each Ray worker, each simulated instance) would compile them again: compile them once here
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES)
