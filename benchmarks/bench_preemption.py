@@ -54,7 +54,7 @@ first launch (B + E) as the real runs'.  Also printed: its mean over 1000 seeds.
     python benchmarks/bench_preemption.py [--quick] [--device-ms MS]
 
 ``--quick`` is a smoke test, not a measurement: the calibration run doubles as ``none``, then
-``L20`` alone, 10-s windows, forward passes padded by 5 ms (so that 20 E outlasts a boot) and 5 s
+``L20`` alone, 8-s windows, forward passes padded by 5 ms (so that 20 E outlasts a boot) and 5 s
 waited after a window; under a minute on this machine.
 Prints tables, then one JSON line of figures.
 """
@@ -383,12 +383,12 @@ class Bench:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="calibration as none, then L20, 10-s windows, --device-ms 5 (smoke test)")
+                        help="calibration as none, then L20, 8-s windows, --device-ms 5 (smoke test)")
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--warm-spares", type=int, default=0,
                         help="warm spares kept besides the instances (booted, joined, idle until a notice; billed)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the four cases (3; quick 1)")
-    parser.add_argument("--window-s", type=float, help="measured window per run, real seconds (60; quick 10)")
+    parser.add_argument("--window-s", type=float, help="measured window per run, real seconds (60; quick 8)")
     parser.add_argument("--calibration-s", type=float,
                         help="window of the calibration run, real seconds (40, longer until 10 epochs, at most 4x)")
     parser.add_argument("--target-batch-size", type=int, help="global batch per epoch (32768; quick 8192)")
@@ -406,7 +406,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
-    args.window_s = args.window_s or (10.0 if args.quick else 60.0)
+    args.window_s = args.window_s or (8.0 if args.quick else 60.0)
     args.calibration_s = args.calibration_s or (args.window_s if args.quick else 40.0)
     args.target_batch_size = args.target_batch_size or (8192 if args.quick else 32768)
     args.device_ms = args.device_ms if args.device_ms is not None else (5.0 if args.quick else 0.0)
@@ -629,7 +629,7 @@ def print_notes(b: Bench, by_peers: dict[int, tuple[float, float]], load0: tuple
     print(f"wall {wall:.0f} s (Ray start {b.ray_up_s:.0f} s); load average at start {load0[0]:.2f} {load0[1]:.2f} "
           f"{load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     if b.args.quick:
-        print(f"--quick: a smoke test, not a measurement (calibration run doubles as none; L20 only; 10-s windows; "
+        print(f"--quick: a smoke test, not a measurement (calibration run doubles as none; L20 only; 8-s windows; "
               f"forward passes padded by {b.args.device_ms:g} ms)")
 
 
