@@ -87,8 +87,12 @@ def test_experts_outlive_a_preempted_server_and_a_resume_after_losing_everything
     resumed: SupervisorCore | None = None
     try:
         wait_for(lambda: core.experts.summary()["min_replicas"] == 2, 90, "every expert on two servers")
-        # k_min is judged from here on: before, the five instances were still booting on this machine's
-        # two cores, and forward passes that timed out then say nothing about surviving a preemption
+        # k_min is judged from the trainers' first statistics after that: before, the five instances were
+        # still booting on this machine's two cores, and forward passes that timed out then say nothing
+        # about surviving a preemption.  A trainer reports its calls with its next epoch record, so the
+        # calls counted when the last server took its experts may not include those made while it booted
+        booted_calls = core.experts.summary()["calls"]
+        wait_for(lambda: core.experts.summary()["calls"] > booted_calls, 60, "the trainers' next statistics")
         replicated = core.experts.summary()
         first = {}
         for h in handoffs(run_dir):
