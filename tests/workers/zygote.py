@@ -7,6 +7,10 @@ worker is up in milliseconds. The children are still real processes: their own s
 codes and files; only the imports are shared. ``tests/workers/test_devices.py`` and the fleet tests still
 run the real ``python -m orchestrator.cli`` from a fresh interpreter.
 
+On a machine with a GPU, torch may start CUDA while preloading (a child forked after that cannot use
+it: torch refuses), so there each child execs ``python -m orchestrator.cli`` instead, set up the same
+way: fresh interpreters, as slow as without the zygote, and able to train on the GPU.
+
 Protocol, one JSON object per line: on stdin ``{"argv", "stdout", "stderr", "exit", "cwd", "env"}``;
 the answer on stdout is ``{"pid": ...}``. When the child ends, its exit code (negative: the signal
 that ended it, as ``subprocess`` says) is written to the ``exit`` file. When stdin closes, every child
@@ -37,8 +41,16 @@ def preload() -> None:
     assert threading.active_count() == 1, "a Python thread before fork would be lost in the children"
 
 
-def run_child(command: dict) -> int:
-    """In the forked child: become ``spotswarm worker ARGV`` with its own files, then exit."""
+def cuda_started() -> bool:
+    """Whether this process started CUDA, which a forked child could then not use."""
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+def run_child(command: dict, fresh: bool) -> int:
+    """In the forked child: become ``spotswarm worker ARGV`` with its own files, then exit; with
+    ``fresh``, by exec'ing a new interpreter for it."""
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     # As a fresh interpreter sets it at startup: a write to a peer that has gone raises
@@ -55,6 +67,8 @@ def run_child(command: dict) -> int:
     os.chdir(command["cwd"])
     os.environ.clear()
     os.environ.update(command["env"])
+    if fresh:
+        os.execv(sys.executable, [sys.executable, "-m", "orchestrator.cli", *command["argv"]])
     _reseed()
     sys.argv = ["spotswarm", *command["argv"]]
     from orchestrator.cli import main
@@ -101,6 +115,7 @@ def _reap(exits: dict[int, str]) -> None:
 
 def main() -> None:
     preload()
+    fresh = cuda_started()
     exits: dict[int, str] = {}  # running child -> its exit file
     pending = b""
     while True:
@@ -120,7 +135,7 @@ def main() -> None:
             if pid == 0:  # the child never returns into this loop, whatever happens
                 code = 1
                 try:
-                    code = run_child(command)
+                    code = run_child(command, fresh)
                 finally:
                     os._exit(code)
             exits[pid] = command["exit"]
