@@ -81,6 +81,12 @@ class SimulatedMarket:
         kill_at = now + lifetime
         return _Schedule(max(now, kill_at - notice_period), kill_at)
 
+    def preempt(self, instance_id: str, now: float) -> None:
+        """A preemption on cue instead of at a drawn or traced time: noticed at the next poll, killed
+        a notice period later.  For drills, and for tests that need the fleet in a given state first
+        (a traced time can come before a slow boot is done)."""
+        self.schedules[instance_id] = _Schedule(now, now + self.config.spot.notice_period_s)
+
     def due_notices(self, live: Iterable[str], now: float) -> list[PreemptionNotice]:
         out = []
         for instance_id in live:

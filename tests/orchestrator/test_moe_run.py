@@ -26,9 +26,9 @@ UIDS = [f"ffn.{i}.{j}" for i in range(2) for j in range(4)]
 
 def moe_config(tmp_path: Path) -> ClusterConfig:
     trace = tmp_path / "trace.csv"
-    # instance 0 (the first expert server: their node type comes first) is noticed 25 s and killed 29 s
-    # (real) after its launch; nobody else is preempted
-    trace.write_text("notice_after_s,kill_after_s\n250,290\n" + ",\n" * 8)
+    # nobody is preempted by the market: the test preempts the first expert server on cue, once every
+    # expert has two servers and the trainers are training
+    trace.write_text("notice_after_s,kill_after_s\n" + ",\n" * 9)
     prices = {"on_demand_price_per_hour": 1.0, "spot_price_per_hour": {"a": 0.3}}
     return ClusterConfig.model_validate({
         "cluster_name": "moe", "runs_dir": str(tmp_path / "runs"),
@@ -40,6 +40,7 @@ def moe_config(tmp_path: Path) -> ClusterConfig:
                      "target_batch_size": 32, "min_matchmaking_time_s": 0.5, "averaging_timeout_s": 10.0},
         "experts": {"grid": [2, 4], "hidden_dim": 32, "k_best": 4, "k_min": 2, "replicas": 2,
                     "average_every_s": 2.0, "declare_period_s": 1.0},
+        "spot": {"notice_period_s": 40.0},  # 4 s real from notice to kill
         "checkpoint": {"every_s": 30.0},
     })
 
@@ -103,9 +104,10 @@ def test_experts_outlive_a_preempted_server_and_a_resume_after_losing_everything
         assert not unreachable(core)
 
         # one expert server is noticed, then killed: its experts move while it still serves them
-        victim = "moe-srv-0000"
+        victim = "moe-srv-0000"  # the first expert server: their node type comes first
         assert core.policy.live[victim].node_type == "srv"
-        wait_for(lambda: victim in core.policy.noticed, 90, "the notice")
+        core.policy.provider.preempt(victim, core.clock())
+        wait_for(lambda: victim in core.policy.noticed, 30, "the notice")
         while query(run_dir, "SELECT end_reason FROM instances WHERE id = ?", victim) != [("preempted",)]:
             assert not unreachable(core), "an expert was unreachable during the notice"
             time.sleep(0.2)  # sampling reachability while the preemption unfolds, not synchronizing

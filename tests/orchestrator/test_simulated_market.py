@@ -50,3 +50,15 @@ def test_the_draws_have_the_configured_mean():
     drawn = list(lifetimes(market(), range(4000)).values())
     assert statistics.fmean(drawn) == pytest.approx(MEAN, rel=0.08)
     assert statistics.median(drawn) == pytest.approx(MEAN * 0.693, rel=0.1)  # exponential: mean x ln 2
+
+
+def test_a_preemption_on_cue_replaces_the_drawn_one_and_is_noticed_once():
+    m = market(distribution="none")
+    m.schedule(LaunchSpec("sim-small-0000", "small", "a", "spot", tags={}, sequence=0), 1000.0)
+    assert m.due_notices(["sim-small-0000"], 5000.0) == []  # no drawn lifetime: never preempted
+    m.preempt("sim-small-0000", 2000.0)
+    assert m.due_notices(["sim-small-0000"], 1999.0) == []
+    (notice,) = m.due_notices(["sim-small-0000"], 2000.0)
+    assert (notice.instance_id, notice.notice_at, notice.terminate_at) == ("sim-small-0000", 2000.0, 2000.0 + NOTICE)
+    assert m.due_notices(["sim-small-0000"], 2001.0) == []  # noticed once
+    assert not m.due_kill("sim-small-0000", 2000.0 + NOTICE - 1) and m.due_kill("sim-small-0000", 2000.0 + NOTICE)
