@@ -31,14 +31,17 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: $(STAMP)  # CONFIG=cluster_configs/local-moe.yaml runs the mixture-of-experts variant
 	$(BIN)/spotswarm demo --duration 150 $(if $(CONFIG),--config $(CONFIG))
 
-# Two phases: the tests that use one core, two at a time; then those marked serial (Ray, fleets, a browser,
-# several training processes), one at a time, as they need both cores. Both run; either failing fails.
+# Three phases: the tests that use one core, two at a time; then those marked heavy (Ray, fleets, a
+# browser, several training processes), two modules at a time (one at a time they left a quarter of
+# the cores idle, waiting on boots, windows and timeouts); then those marked alone (they measure rates
+# or bound real time under load), one at a time with nothing beside them. All run; any failing fails.
 # PYTHONDONTWRITEBYTECODE is cleared for the tests: pytest then keeps its rewritten test modules in
 # __pycache__ instead of rewriting all of them in every process (3.5 CPU-s each).
 test: $(STAMP) $(CHROMIUM)
 	@rc=0; export PYTHONDONTWRITEBYTECODE=; \
-	$(BIN)/python -m pytest -m 'not serial' -n 2 || rc=$$?; \
-	$(BIN)/python -m pytest -m serial || rc=$$?; \
+	$(BIN)/python -m pytest -m 'not heavy and not alone' -n 2 || rc=$$?; \
+	$(BIN)/python -m pytest -m heavy -n 2 --dist loadfile || rc=$$?; \
+	$(BIN)/python -m pytest -m alone || rc=$$?; \
 	exit $$rc
 
 $(CHROMIUM):

@@ -4,6 +4,7 @@ unretrieved exception, an unclosed transport): a clean shutdown leaves no traceb
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import time
@@ -85,9 +86,21 @@ def until():
     return _until
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The machine's Ray token, made once by the process that starts the others: two test processes
+    (the heavy phase runs two) making it at the same moment could each start a Ray with a token that
+    the other then replaced."""
+    if hasattr(config, "workerinput") or importlib.util.find_spec("ray") is None:
+        return  # an xdist worker (its controller made it), or no Ray to test
+    from tests.ray_heads import ensure_machine_token
+
+    ensure_machine_token(dict(os.environ))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules on the shared Ray head run last, one after another: the head starts once, and no
-    test that starts a Ray of its own runs beside it."""
+    """The modules on the shared Ray head run last in each pytest process, one after another: the
+    head starts once per process, and no test of that process that starts a Ray of its own runs
+    while it is up."""
     items.sort(key=lambda item: "ray_session" in item.fixturenames)  # stable: file order otherwise
 
 

@@ -38,6 +38,15 @@ def free_port() -> int:
     raise RuntimeError(f"no free port between 20000 and {ephemeral_low - 1}")
 
 
+def ensure_machine_token(env: dict[str, str]) -> None:
+    """Make the machine's Ray token where token authentication is on and there is none yet: a local
+    ``ray.init`` makes it, ``ray start`` does not."""
+    if env.get("RAY_AUTH_MODE", "").lower() == "token" and ray_auth_token() is None:
+        ray = Path(sys.executable).with_name("ray")
+        subprocess.run([str(ray), "get-auth-token", "--generate"], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True, timeout=60)
+
+
 def kill_session(leader: int) -> None:
     """SIGKILL every process of a session (a machine's power cut: Ray gives workers their own groups)."""
     import psutil
@@ -62,10 +71,8 @@ class RayHead:
         ray = Path(sys.executable).with_name("ray")
         if own_token:
             self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
-        elif self.env.get("RAY_AUTH_MODE", "").lower() == "token" and ray_auth_token() is None:
-            # a local ray.init makes the machine's token when there is none; `ray start` does not
-            subprocess.run([str(ray), "get-auth-token", "--generate"], env=self.env, stdout=subprocess.DEVNULL,
-                           check=True, timeout=60)
+        else:
+            ensure_machine_token(self.env)
         self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(

@@ -198,7 +198,7 @@ def two_shaped_links():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.serial  # it measures link rates: nothing else on the CPUs meanwhile
+@pytest.mark.alone  # it measures link rates: nothing else on the CPUs meanwhile
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                     reason="network namespaces and tc need root and iproute2")
 def test_peers_told_nothing_declare_the_rates_of_their_own_links(two_shaped_links):

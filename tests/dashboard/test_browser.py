@@ -18,7 +18,7 @@ from orchestrator.dashboard import DashboardServer  # noqa: E402
 from orchestrator.run_store import RunStore  # noqa: E402
 from orchestrator.supervisor import SupervisorCore  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]
 
 CHARTS = 7
 

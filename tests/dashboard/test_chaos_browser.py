@@ -13,7 +13,7 @@ pytest.importorskip("playwright.sync_api")
 
 from orchestrator.dashboard import DashboardServer  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.heavy]
 
 T0 = 1_000_000.0  # the hand run's first record (conftest)
 FAULTS = [  # (seconds after T0, kind, phase, duration)

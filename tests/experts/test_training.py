@@ -8,7 +8,7 @@ from torch import nn
 
 from experts import ExpertBackend, RemoteMixtureOfExperts
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.heavy]
 
 HIDDEN = 16
 VICTIM = {"ffn.2.0", "ffn.2.1"}

@@ -24,7 +24,7 @@ from tests.orchestrator.run_checks import (  # noqa: E402
     wait_for_workers,
 )
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("ray_session"), pytest.mark.heavy]
 
 SHIPPED = Path(__file__).resolve().parents[2] / "cluster_configs" / "aws-spot.yaml"
 NOTICE_S = 15.0  # EC2 gives two minutes; the harness gives fifteen seconds

@@ -19,7 +19,7 @@ import yaml
 pytest.importorskip("ray")
 boto3 = pytest.importorskip("boto3")
 
-pytestmark = pytest.mark.serial
+pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT_EVERY_S = 4.0

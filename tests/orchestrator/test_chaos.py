@@ -19,7 +19,7 @@ from orchestrator.chaos_kinds import FAULT_KINDS  # noqa: E402
 from orchestrator.config import ClusterConfig  # noqa: E402
 from orchestrator.invariants import check_leaks  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
 
 SETTINGS = ChaosSettings(duration_s=48.0, seed=11, every_s=5.5, calm_s=8.0, stall_bound_s=30.0, check_every_s=2.0,
                          disk_mb=64, aim_s=0.0)  # faults land where they fall: the soak aims at phases

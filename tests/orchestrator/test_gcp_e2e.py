@@ -26,7 +26,7 @@ from tests.orchestrator.run_checks import (  # noqa: E402
     wait_for_workers,
 )
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session"), pytest.mark.heavy]
 
 SHIPPED = Path(__file__).resolve().parents[2] / "cluster_configs" / "gcp-spot.yaml"
 WINDOW_S = 15.0  # GCE stops a preempted VM 30 s after the notice; the harness after fifteen

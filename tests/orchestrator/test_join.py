@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-pytestmark = pytest.mark.serial
+pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RAY = Path(sys.executable).with_name("ray")

@@ -26,7 +26,7 @@ from tests.orchestrator.run_checks import (  # noqa: E402
     wait_until_preempted,
 )
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.usefixtures("ray_session"), pytest.mark.heavy]
 
 
 def node_config(tmp_path: Path) -> ClusterConfig:

@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.run_store import RunStore
 
-pytestmark = pytest.mark.serial
+pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG = """\

@@ -19,7 +19,9 @@ from tests.orchestrator.run_checks import (  # noqa: E402
     wait_until_preempted,
 )
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
+# alone: its traces preempt at fixed times after launch (it checks they replay exactly), which a boot
+# slowed by another test beside it could miss
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_session"), pytest.mark.alone]
 
 
 def cluster(tmp_path: Path, **overrides) -> ClusterConfig:

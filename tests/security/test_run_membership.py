@@ -22,7 +22,7 @@ from orchestrator.supervisor import SupervisorCore  # noqa: E402
 from p2p import P2P, Identity, NotAMember, PeerID  # noqa: E402
 from p2p.membership import Authority, Certificate, Membership  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("ray_session"), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("ray_session"), pytest.mark.heavy]
 TTL = 12.0  # renewed when 6 s are left: the test sees a renewal within seconds
 
 

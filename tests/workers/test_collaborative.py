@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]
 
 COMMON = dict(task="synthetic", target_batch_size=128)
 

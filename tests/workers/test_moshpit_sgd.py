@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
 
 
 def final_loss(workers) -> float:
