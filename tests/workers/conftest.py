@@ -69,9 +69,10 @@ def _env() -> dict[str, str]:
 class Zygote:
     """The preloaded interpreter of ``zygote.py``: one per test session, forking every worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**_env(), **(env or {})})
 
     def fork(self, argv: list[str], stdout: Path, stderr: Path, cwd: Path) -> ForkedProcess:
         exit_file = stdout.with_suffix(".exit")
@@ -181,6 +182,14 @@ class WorkerSwarm:
 @pytest.fixture(scope="session")
 def zygote():
     forks = Zygote()
+    yield forks
+    forks.close()
+
+
+@pytest.fixture
+def execing_zygote():
+    """A zygote whose children exec a fresh interpreter, as where its preload started CUDA."""
+    forks = Zygote({"ZYGOTE_EXEC": "1"})
     yield forks
     forks.close()
 

@@ -9,7 +9,8 @@ run the real ``python -m orchestrator.cli`` from a fresh interpreter.
 
 On a machine with a GPU, torch may start CUDA while preloading (a child forked after that cannot use
 it: torch refuses), so there each child execs ``python -m orchestrator.cli`` instead, set up the same
-way: fresh interpreters, as slow as without the zygote, and able to train on the GPU.
+way: fresh interpreters, as slow as without the zygote, and able to train on the GPU. ``ZYGOTE_EXEC=1``
+in the zygote's environment takes that path anywhere (``test_zygote.py``).
 
 Protocol, one JSON object per line: on stdin ``{"argv", "stdout", "stderr", "exit", "cwd", "env"}``;
 the answer on stdout is ``{"pid": ...}``. When the child ends, its exit code (negative: the signal
@@ -115,7 +116,7 @@ def _reap(exits: dict[int, str]) -> None:
 
 def main() -> None:
     preload()
-    fresh = cuda_started()
+    fresh = cuda_started() or os.environ.get("ZYGOTE_EXEC") == "1"  # the variable: to test that path anywhere
     exits: dict[int, str] = {}  # running child -> its exit file
     pending = b""
     while True:
