@@ -151,6 +151,9 @@ class ProviderConfig(_Strict):
     provisioning_delay_s: float = pydantic.Field(5.0, ge=0)
     trace_file: str | None = None  # replayable CSV of launch/notice/kill offsets
     seed: int = 0
+    # local "actors" only: fork the instances' workers from one preloaded interpreter, so a boot does
+    # not spend ~5 CPU-seconds of imports on the cores the other simulated instances train on
+    warm_image: bool = True
     # cloud providers
     project: str | None = None  # gcp: the project instances are launched in
     project_id: str | None = None  # gcp: Ray's key for the same (either may be given)

@@ -1,4 +1,5 @@
-"""The local spot simulator: each instance is a Ray actor (its own process) running one worker.
+"""The local spot simulator: each instance is a Ray actor (its own process) running one worker,
+by default in a process forked from the simulator's warm image (``warm_image.py``).
 (``mode: nodes``, each instance its own raylet, lives in ``local_nodes.py``.)
 
 Lifetimes come from a preemption model (exponential or Weibull, per node type) or from a
@@ -16,13 +17,16 @@ import random
 from collections.abc import Iterable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import ray
 
 from ..config import ClusterConfig
 from .base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
+
+if TYPE_CHECKING:
+    from ..warm_image import WarmImage
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +115,19 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
         self.identifying: dict[str, tuple[Any, LaunchSpec]] = {}  # -> (ObjectRef of its peer id, spec)
         self.failed: set[str] = set()
+        self.workers: dict[str, psutil.Process] = {}  # the worker's own process, when forked from the image
+        self.image: WarmImage | None = None
+        if config.provider.warm_image:
+            from ..warm_image import WarmImage
+
+            self.image = WarmImage()
 
     def launch(self, spec: LaunchSpec) -> Instance:
         from ..ray_workers import spawn_worker
 
         # owned by the supervisor, not detached: the simulated machine goes down with its simulator
-        actor = spawn_worker(spec.instance_id, {}, detached=False)
+        actor = spawn_worker(spec.instance_id, {}, detached=False,
+                             image=self.image.path if self.image is not None else None)
         # returns at once (billing starts now, as on a cloud); the worker boots in the background, once
         # its certificate (issued for the peer id the actor made) is there when membership is on
         if spec.certify is None:
@@ -169,6 +180,8 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
                 continue
             try:
                 self.processes[instance_id] = psutil.Process(info["pid"])
+                if info["worker_pid"] != info["pid"]:
+                    self.workers[instance_id] = psutil.Process(info["worker_pid"])
             except psutil.NoSuchProcess:  # died right after it answered
                 self.failed.add(instance_id)
                 continue
@@ -182,9 +195,9 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self._collect_started()
         gone = []
         for instance_id in list(self.instances):
-            process = self.processes.get(instance_id)
+            processes = [p for p in (self.processes.get(instance_id), self.workers.get(instance_id)) if p is not None]
             if self.due_kill(instance_id, now) or instance_id in self.failed \
-                    or (process is not None and not _alive(process)):
+                    or any(not _alive(p) for p in processes):
                 self._sigkill(instance_id)
                 gone.append(instance_id)
         return gone
@@ -202,11 +215,20 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.starting.pop(instance_id, None)
         self.identifying.pop(instance_id, None)
         process = self.processes.pop(instance_id, None)
+        worker = self.workers.pop(instance_id, None)
+        if worker is not None and _alive(worker):
+            with suppress(psutil.NoSuchProcess):
+                worker.kill()  # first: a forked worker would outlive its actor by a moment
         if process is not None and _alive(process):
             with suppress(psutil.NoSuchProcess):
                 process.kill()  # a real preemption: no atexit, no goodbye (psutil checks the start time again)
         elif inst is not None:
             ray.kill(inst.handle)  # still booting: nothing to kill but the actor
+
+    def shutdown(self) -> None:
+        if self.image is not None:
+            self.image.close()
+            self.image = None
 
     def list(self, tag_filters: dict[str, str]) -> list[Instance]:
         """This simulator's machines die with it, so only its own are ever alive."""

@@ -10,10 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("ray")
-
-from dht import DHTNode  # noqa: E402
-from orchestrator.ray_workers import WorkerActor  # noqa: E402
+from dht import DHTNode
+from orchestrator.worker_core import WorkerCore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +43,7 @@ async def test_a_notice_keeps_its_period_on_a_machine_whose_wall_clock_is_ahead(
         await until(lambda: worker.clock.voters == 2, 20, "the worker's node sampling both others")
         assert abs(worker.clock.now() - supervisor.clock.now()) < 1.0  # outvoted: the swarm's time
 
-        actor = WorkerActor.__ray_metadata__.modified_class()  # the actor's own class, outside Ray
+        actor = WorkerCore()  # what the worker's actor holds, outside Ray
         actor.peer = recorder = LeaveRecorder(worker)
         actor.notice(30.0, supervisor.clock.now())  # as RayWorkers dates it: the supervisor's swarm clock
         assert await asyncio.to_thread(recorder.called.wait, 10)

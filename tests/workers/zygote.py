@@ -25,21 +25,17 @@ import os
 import select
 import signal
 import sys
-import threading
 import traceback
+
+from orchestrator import warm_image
 
 
 def preload() -> None:
-    import torch
-
+    """What the local simulator's warm image preloads, and the worker's command line."""
     import orchestrator.cli  # noqa: F401
     import orchestrator.worker_cli  # noqa: F401
-    import workers.peer  # noqa: F401
 
-    weight = torch.nn.Parameter(torch.zeros(1))
-    weight.grad = torch.zeros(1)
-    torch.optim.Adam([weight]).step()  # torch.optim's first step is what imports torch._dynamo
-    assert threading.active_count() == 1, "a Python thread before fork would be lost in the children"
+    warm_image.preload()
 
 
 def cuda_started() -> bool:
@@ -70,7 +66,7 @@ def run_child(command: dict, fresh: bool) -> int:
     os.environ.update(command["env"])
     if fresh:
         os.execv(sys.executable, [sys.executable, "-m", "orchestrator.cli", *command["argv"]])
-    _reseed()
+    warm_image.reseed_after_fork()
     sys.argv = ["spotswarm", *command["argv"]]
     from orchestrator.cli import main
 
@@ -87,16 +83,6 @@ def run_child(command: dict, fresh: bool) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
-
-
-def _reseed() -> None:
-    """A fresh interpreter seeds its generators from the OS; a fork copies the parent's (Python's
-    ``random`` reseeds itself on fork, numpy's and torch's do not)."""
-    import numpy as np
-    import torch
-
-    np.random.seed()
-    torch.seed()
 
 
 def _reap(exits: dict[int, str]) -> None:
