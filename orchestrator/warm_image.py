@@ -20,6 +20,7 @@ and actors boot in their own interpreter instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -192,19 +193,22 @@ def _serve_actor(sock: socket.socket) -> None:
             conn.send((False, RuntimeError(f"{name}: {said}")))
 
 
-def _fork_worker(listener: socket.socket, sock: socket.socket, usable: bool) -> None:
+def _fork_worker(sock: socket.socket, usable: bool, close_in_child: list[int]) -> int | None:
+    """A worker process for the actor on ``sock``: its pidfd, in the image (None: none forked)."""
     if not usable:
         sock.sendall(UNUSABLE)
         sock.close()
-        return
+        return None
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.fork() != 0:
+    pid = os.fork()
+    if pid != 0:
         sock.close()
-        return
+        return os.pidfd_open(pid)  # a child not yet waited for: its pid cannot have been reused
     code = 0
     try:  # the child never returns into the image's loop, whatever happens
-        listener.close()
+        for fd in close_in_child:  # the image's listener and pidfds
+            os.close(fd)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         _serve_actor(sock)
@@ -233,12 +237,24 @@ def main(path: str, owner_pid: int) -> None:
     usable = not torch.cuda.is_initialized()
     if not usable:
         logger.warning("preloading started CUDA: the warm image cannot fork workers, which boot on their own")
-    while True:
-        readable, _, _ = select.select([listener, owner], [], [])
-        if owner in readable:
-            return
-        sock, _ = listener.accept()
-        _fork_worker(listener, sock, usable)
+    workers: set[int] = set()  # pidfds of the workers still running
+    try:
+        while True:
+            readable, _, _ = select.select([listener, owner, *workers], [], [])
+            if owner in readable:
+                return
+            for ended in workers.intersection(readable):
+                workers.discard(ended)
+                os.close(ended)
+            if listener in readable:
+                sock, _ = listener.accept()
+                worker = _fork_worker(sock, usable, [listener.fileno(), owner, *workers])
+                if worker is not None:
+                    workers.add(worker)
+    finally:  # a worker outliving its image is a leak: each ends with its actor, which should be gone by now
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(worker, signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,9 @@ def test_the_image_ends_with_its_owner_and_when_closed(tmp_path):
     finally:
         owner.kill()
     image = WarmImage()
+    worker = psutil.Process(ForkedCore(image.path).worker_pid)  # its actor, this process, lives on
     image.close()
+    worker.wait(timeout=10)  # a worker outliving its image would be a leak nobody looks for
     assert image.process.returncode is not None and not Path(image.path).parent.exists()
 
 
