@@ -102,9 +102,10 @@ def cpu_seconds(core: Any) -> dict[str, float]:
 
     times = psutil.cpu_times()
     trainers = 0.0
-    for instance_id, process in list(core.policy.provider.processes.items()):
-        if instance_id in core.policy.provider.instances and \
-                core.policy.provider.instances[instance_id].node_type == "trn":
+    provider = core.policy.provider
+    # an instance's actor process, and the worker forked for it from the warm image (which trains)
+    for instance_id, process in [*provider.processes.items(), *provider.workers.items()]:
+        if instance_id in provider.instances and provider.instances[instance_id].node_type == "trn":
             with contextlib.suppress(psutil.Error):
                 t = process.cpu_times()
                 trainers += t.user + t.system

@@ -80,8 +80,10 @@ def trace(seed: int, mean_s: float, n: int = 500) -> list[float]:
 def ours_config(base: Path, args: argparse.Namespace, trace_file: Path | None) -> Any:
     from orchestrator.config import ClusterConfig
 
+    # no warm image: every worker imports torch for itself, as Ray Train's restarted workers do
     provider: dict[str, Any] = {"type": "local", "zones": ["a"], "time_scale": TIME_SCALE,
-                                "provisioning_delay_s": args.provisioning_s * TIME_SCALE, "seed": args.seed}
+                                "provisioning_delay_s": args.provisioning_s * TIME_SCALE, "seed": args.seed,
+                                "warm_image": False}
     if trace_file is not None:
         provider["trace_file"] = str(trace_file)
     return ClusterConfig.model_validate({

@@ -4,6 +4,7 @@ killed and the run resumed, its experts restored from their checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -76,8 +77,10 @@ def losses(run_dir: Path) -> list[float]:
 
 def kill_everything(core: SupervisorCore) -> None:
     """Every instance SIGKILLed, the supervisor gone without releasing or checkpointing anything."""
-    for process in list(core.policy.provider.processes.values()):
-        os.kill(process.pid, signal.SIGKILL)
+    provider = core.policy.provider
+    for process in [*provider.workers.values(), *provider.processes.values()]:  # forked workers, then actors
+        with contextlib.suppress(ProcessLookupError):  # a worker ends with its actor: maybe gone already
+            os.kill(process.pid, signal.SIGKILL)
     core.detach()
 
 
