@@ -216,14 +216,14 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.identifying.pop(instance_id, None)
         process = self.processes.pop(instance_id, None)
         worker = self.workers.pop(instance_id, None)
-        if worker is not None and _alive(worker):
-            with suppress(psutil.NoSuchProcess):
-                worker.kill()  # first: a forked worker would outlive its actor by a moment
         if process is not None and _alive(process):
             with suppress(psutil.NoSuchProcess):
                 process.kill()  # a real preemption: no atexit, no goodbye (psutil checks the start time again)
         elif inst is not None:
             ray.kill(inst.handle)  # still booting: nothing to kill but the actor
+        if worker is not None and _alive(worker):  # after its actor, which never sees it go as a crash
+            with suppress(psutil.NoSuchProcess):
+                worker.kill()  # it would follow its actor by itself, a moment later
 
     def shutdown(self) -> None:
         if self.image is not None:
