@@ -208,6 +208,8 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
             return
         self.starting.pop(instance.id, None)
         self.identifying.pop(instance.id, None)
+        self.processes.pop(instance.id, None)
+        self.workers.pop(instance.id, None)  # ends with its actor
         ray.kill(instance.handle)
 
     def _sigkill(self, instance_id: str) -> None:
