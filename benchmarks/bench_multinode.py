@@ -304,11 +304,12 @@ def make_config(mode: str, base: Path, args: argparse.Namespace, namespaces: lis
     # row i is the run's instance number i: only the first one is preempted
     trace.write_text(f"notice_after_s,kill_after_s\n{notice_after:g},{args.kill_after_s:g}\n"
                      + ",\n" * (args.instances + 4))
-    # no warm image in actors mode: its workers boot as the nodes mode's do, so the two compare
     provider: dict[str, Any] = {"type": "local", "mode": mode, "zones": ["a"], "time_scale": 1.0,
-                                "provisioning_delay_s": 0.0, "trace_file": str(trace), "warm_image": False}
+                                "provisioning_delay_s": 0.0, "trace_file": str(trace)}
     if mode == "nodes":
         provider["namespaces"] = namespaces
+    else:  # no warm image: actors mode's workers boot as the nodes mode's do, so the two compare
+        provider["warm_image"] = False
     return ClusterConfig.model_validate({
         "cluster_name": f"mn-{mode}", "runs_dir": str(base / "runs"),
         "provider": provider,

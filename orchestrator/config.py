@@ -151,9 +151,9 @@ class ProviderConfig(_Strict):
     provisioning_delay_s: float = pydantic.Field(5.0, ge=0)
     trace_file: str | None = None  # replayable CSV of launch/notice/kill offsets
     seed: int = 0
-    # local "actors" only: fork the instances' workers from one preloaded interpreter, so a boot does
-    # not spend ~5 CPU-seconds of imports on the cores the other simulated instances train on
-    warm_image: bool = True
+    # local "actors" only (None: on there): fork the instances' workers from one preloaded interpreter,
+    # so a boot does not spend ~5 CPU-seconds of imports on the cores the other simulated instances use
+    warm_image: bool | None = None
     # cloud providers
     project: str | None = None  # gcp: the project instances are launched in
     project_id: str | None = None  # gcp: Ray's key for the same (either may be given)
@@ -183,6 +183,15 @@ class ProviderConfig(_Strict):
         if duplicates:
             raise ValueError(f"listed more than once: {', '.join(map(repr, duplicates))}")
         return names
+
+    @pydantic.field_validator("warm_image")
+    @classmethod
+    def _warm_image_is_local_actors(cls, warm: bool | None, info: pydantic.ValidationInfo) -> bool | None:
+        kind, mode = info.data.get("type"), info.data.get("mode")
+        if warm is not None and (kind, mode) != ("local", "actors") and None not in (kind, mode):
+            raise ValueError(f"only provider.type 'local' with provider.mode 'actors' forks workers from a warm "
+                             f"image (here type {kind!r}, mode {mode!r}); the others boot every worker on its own")
+        return warm
 
     @pydantic.field_validator("availability_zone")
     @classmethod

@@ -56,6 +56,13 @@ def preload() -> None:
     assert threading.active_count() == 1, "a Python thread before fork would be lost in the children"
 
 
+def cuda_started() -> bool:
+    """Whether this process started CUDA, which a child forked from it could then not use."""
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
 class WarmImage:
     """The image process, owned by the local provider (it ends with the provider, or with the
     process that started it)."""
@@ -232,9 +239,7 @@ def main(path: str, owner_pid: int) -> None:
     os.close(null)
     owner = os.pidfd_open(owner_pid)
     preload()
-    import torch
-
-    usable = not torch.cuda.is_initialized()
+    usable = not cuda_started()
     if not usable:
         logger.warning("preloading started CUDA: the warm image cannot fork workers, which boot on their own")
     workers: set[int] = set()  # pidfds of the workers still running

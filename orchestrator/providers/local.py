@@ -117,7 +117,7 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.failed: set[str] = set()
         self.workers: dict[str, psutil.Process] = {}  # the worker's own process, when forked from the image
         self.image: WarmImage | None = None
-        if config.provider.warm_image:
+        if config.provider.warm_image is not False:  # on unless turned off
             from ..warm_image import WarmImage
 
             self.image = WarmImage()

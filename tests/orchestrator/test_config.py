@@ -439,3 +439,22 @@ def test_odd_yaml_gives_a_config_error(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ConfigError, match=str(path)):
         load_cluster_config(path)
+
+
+# ---- provider.warm_image ---------------------------------------------------------------------
+def test_warm_image_is_on_by_default_and_may_be_turned_off_in_local_actors_mode(tmp_path):
+    assert load_cluster_config(write(tmp_path, GOOD)).provider.warm_image is None  # the provider: on
+    off = write(tmp_path, GOOD.replace("  type: local", "  type: local\n  warm_image: false"))
+    assert load_cluster_config(off).provider.warm_image is False
+
+
+@pytest.mark.parametrize(("provider", "here"), [
+    ("type: local\n  mode: nodes\n  warm_image: true", "type 'local', mode 'nodes'"),
+    ("type: gcp\n  warm_image: false", "type 'gcp', mode 'actors'"),
+])
+def test_warm_image_elsewhere_names_the_field_and_line(tmp_path, provider, here):
+    path = write(tmp_path, GOOD.replace("  type: local", "  " + provider))
+    errors = [e for e in errors_of(path) if "provider.warm_image" in e]
+    assert errors == [f"{path}:{3 + provider.count(chr(10))}: provider.warm_image: only provider.type 'local' with "
+                      f"provider.mode 'actors' forks workers from a warm image (here {here}); the others boot every "
+                      "worker on its own"]

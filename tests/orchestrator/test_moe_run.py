@@ -5,11 +5,10 @@ killed and the run resumed, its experts restored from their checkpoints."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -78,9 +77,9 @@ def losses(run_dir: Path) -> list[float]:
 def kill_everything(core: SupervisorCore) -> None:
     """Every instance SIGKILLed, the supervisor gone without releasing or checkpointing anything."""
     provider = core.policy.provider
-    for process in [*provider.workers.values(), *provider.processes.values()]:  # forked workers, then actors
-        with contextlib.suppress(ProcessLookupError):  # a worker ends with its actor: maybe gone already
-            os.kill(process.pid, signal.SIGKILL)
+    for process in [*provider.processes.values(), *provider.workers.values()]:  # actors, then their workers
+        with contextlib.suppress(psutil.NoSuchProcess):  # a worker ends with its actor: maybe gone already
+            process.kill()
     core.detach()
 
 

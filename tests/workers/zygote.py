@@ -38,13 +38,6 @@ def preload() -> None:
     warm_image.preload()
 
 
-def cuda_started() -> bool:
-    """Whether this process started CUDA, which a forked child could then not use."""
-    import torch
-
-    return torch.cuda.is_initialized()
-
-
 def run_child(command: dict, fresh: bool) -> int:
     """In the forked child: become ``spotswarm worker ARGV`` with its own files, then exit; with
     ``fresh``, by exec'ing a new interpreter for it."""
@@ -102,7 +95,8 @@ def _reap(exits: dict[int, str]) -> None:
 
 def main() -> None:
     preload()
-    fresh = cuda_started() or os.environ.get("ZYGOTE_EXEC") == "1"  # the variable: to test that path anywhere
+    # the variable: to test the exec path anywhere
+    fresh = warm_image.cuda_started() or os.environ.get("ZYGOTE_EXEC") == "1"
     exits: dict[int, str] = {}  # running child -> its exit file
     pending = b""
     while True:
