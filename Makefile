@@ -59,12 +59,12 @@ bench-quick: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# A separate virtualenv with the reference libraries (hivemind, Ray Train, and matplotlib for plots), for the
-# benchmarks' comparisons only: never the project's dependencies.
+# A separate virtualenv with the reference libraries (hivemind, Ray Train, torchft, and matplotlib for plots),
+# for the benchmarks' comparisons only: never the project's dependencies.
 bench-env:
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-		torch==2.13.0 hivemind 'ray[train]==2.60.0' matplotlib
+		torch==2.13.0 hivemind 'ray[train]==2.60.0' torchft==0.2.0 matplotlib
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) *.egg-info .pytest_cache .ruff_cache

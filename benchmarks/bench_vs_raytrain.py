@@ -14,12 +14,8 @@ Contenders, each in its own child process with its own Ray session, one after th
   An instance that ends has its worker SIGKILLed; Ray Train restarts the whole group from the last
   checkpoint once the replacement is usable.  Ray Train does not act on preemption notices.
 
-The trace: one exponential lifetime per launch, in launch order (``random.Random(--seed)``), mean
-L x E for L in ``--lifetimes``; E is one global step of the no-preemption Ray Train run (real
-seconds).  Every instance, replacements included, is usable ``--provisioning-s`` after its launch and
-costs from its launch to its end ($0.30/h, a spot price).  Every micro-batch sleeps ``--device-ms``
-for an accelerator step, in both contenders, so each instance brings its own capacity although all
-share this machine's cores.
+The trace, the fleet's costs and the padding of every micro-batch are ``_vs_rival.py``'s, shared with
+``bench_vs_torchft.py``; E is one global step of the no-preemption Ray Train run.
 
 First both contenders run without preemptions for ``--budget-s`` from their start; the target loss is
 the Ray Train run's at that time (mean of its last 5 steps).  Then each lifetime, each contender runs
@@ -33,294 +29,68 @@ samples computed and then discarded by restarts (steps redone after a restore x 
 
 ``--quick`` (a smoke test, ~60 s): a short budget, ours alone (no preemptions, then L20 with E from
 that run); Ray Train is left out, its worker group alone takes ~25 s to start on this machine.
-Prints a table, then one JSON line.
+Prints a table, then one JSON line.  A contender that trains nothing is an error: it is named with the
+end of its stderr, and the benchmark exits 1 after printing the rest.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import json
-import logging
-import os
-import random
-import shutil
-import sqlite3
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _common import BENCH_PY, ChildFailed, emit, fmt, print_json, print_table, run_for_json  # noqa: E402
-
-PRICE_PER_HOUR = 0.30  # spot, per instance, both contenders
-TIME_SCALE = 10.0  # the supervisor's simulated seconds per real second
-SMOOTH = 5  # steps averaged for "the loss now"
-
-
-def smoothed(losses: list[float]) -> float | None:
-    return statistics.fmean(losses[-SMOOTH:]) if len(losses) >= SMOOTH else None
-
-
-def trace(seed: int, mean_s: float, n: int = 500) -> list[float]:
-    rng = random.Random(seed)
-    return [rng.expovariate(1.0 / mean_s) for _ in range(n)]
+from _common import BENCH_PY, fmt, print_json  # noqa: E402
+from _vs_rival import (  # noqa: E402
+    Contest,
+    add_arguments,
+    global_batch,
+    plot,
+    reached,
+    rival_summary,
+    run_ours,
+    run_rival,
+    trace,
+)
 
 
-# ---- ours: a supervisor in a child process -----------------------------------------------------
-def ours_config(base: Path, args: argparse.Namespace, trace_file: Path | None) -> Any:
-    from orchestrator.config import ClusterConfig
-
-    # no warm image: every worker imports torch for itself, as Ray Train's restarted workers do
-    provider: dict[str, Any] = {"type": "local", "zones": ["a"], "time_scale": TIME_SCALE,
-                                "provisioning_delay_s": args.provisioning_s * TIME_SCALE, "seed": args.seed,
-                                "warm_image": False}
-    if trace_file is not None:
-        provider["trace_file"] = str(trace_file)
-    return ClusterConfig.model_validate({
-        "cluster_name": "ours", "runs_dir": str(base), "provider": provider,
-        "available_node_types": {"gpu": {
-            "min_workers": args.workers, "max_workers": args.workers, "resources": {"CPU": 1},
-            "on_demand_price_per_hour": 1.0, "spot_price_per_hour": {"a": PRICE_PER_HOUR},
-            "preemption": {"distribution": "none"}}},
-        "spot": {"market": "spot", "notice_period_s": args.notice_s * TIME_SCALE, "fallback_to_on_demand_after": None},
-        "training": {"task": f"_preemption_task:{args.task}_device_{int(args.device_ms)}",
-                     "task_options": {"batch_size": args.batch_size}, "target_batch_size": global_batch(args),
-                     "averaging": "collaborative", "compression": "none", "averaging_timeout_s": 20.0,
-                     "min_matchmaking_time_s": 1.0},
-        "checkpoint": {"every_s": 1e6},
-        "dashboard": {"enabled": False},
-    })
-
-
-def write_trace_csv(path: Path, lifetimes: list[float], notice_s: float) -> None:
-    with path.open("w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["notice_after_s", "kill_after_s"])
-        for life in lifetimes:
-            out.writerow([max(life - notice_s, 0.0) * TIME_SCALE, life * TIME_SCALE])
-
-
-def ours_child(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.WARNING)
-    from orchestrator.cluster import start_ray
-    from orchestrator.run_store import RunStore
-    from orchestrator.supervisor import SupervisorCore
-
-    base = Path(tempfile.mkdtemp(prefix="bench-vs-raytrain-"))
-    trace_file = None
-    if args.trace:
-        trace_file = base / "trace.csv"
-        write_trace_csv(trace_file, json.loads(Path(args.trace).read_text()), args.notice_s)
-    config = ours_config(base, args, trace_file)
-    start_ray()
-    RunStore.create(config).close()
-    run_dir = config.run_dir()
-    core = SupervisorCore(config, run_dir)
-    started = time.monotonic()
-    core.start()
-    try:
-        while time.monotonic() - started < args.limit_s:
-            losses = [r[0] for r in _rows(run_dir, "SELECT loss FROM progress WHERE loss IS NOT NULL ORDER BY epoch")]
-            now = smoothed(losses)
-            if args.target is not None and now is not None and now <= args.target:
-                break
-            if args.target is None and time.monotonic() - started >= args.budget_s:
-                break
-            time.sleep(0.5)  # polling the run store
-    finally:
-        core.stop()
-    first = _rows(run_dir, "SELECT MIN(launched_at) FROM instances")[0][0]
-    steps = [((t - first) / TIME_SCALE, e, loss) for t, e, loss in
-             _rows(run_dir, "SELECT time, epoch, loss FROM progress WHERE loss IS NOT NULL ORDER BY epoch")]
-    instances = [((a - first) / TIME_SCALE, None if b is None else (b - first) / TIME_SCALE, reason) for a, b, reason in
-                 _rows(run_dir, "SELECT launched_at, ended_at, end_reason FROM instances ORDER BY launched_at")]
-    emit({"steps": steps, "instances": instances})
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def _rows(run_dir: Path, sql: str) -> list:
-    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'run.sqlite'}?mode=ro", uri=True, timeout=30)) as db:
-        return db.execute(sql).fetchall()
-
-
-def run_ours(args: argparse.Namespace, lifetimes: list[float] | None, target: float | None, limit_s: float) -> dict:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", *child_flags(args),
-            "--limit-s", str(limit_s), "--budget-s", str(args.budget_s)]
-    with tempfile.TemporaryDirectory() as d:
-        if lifetimes is not None:
-            Path(d, "trace.json").write_text(json.dumps(lifetimes))
-            argv += ["--trace", str(Path(d, "trace.json"))]
-        if target is not None:
-            argv += ["--target", str(target)]
-        raw = run_for_json("ours", argv, limit_s + 120)
-    steps = [(t, e, loss) for t, e, loss in raw["steps"]]
-    instances = [(a, b) for a, b, _ in raw["instances"]]
-    kills = sum(1 for *_, reason in raw["instances"] if reason == "preempted")
-    return summarize("ours", steps, instances, target, args, kills=kills, lost_steps=None, restarts=0)
-
-
-def child_flags(args: argparse.Namespace) -> list[str]:
-    return ["--task", args.task, "--workers", str(args.workers), "--batch-size", str(args.batch_size),
-            "--accum", str(args.accum), "--device-ms", str(args.device_ms),
-            "--provisioning-s", str(args.provisioning_s), "--notice-s", str(args.notice_s), "--seed", str(args.seed)]
-
-
-# ---- Ray Train: its own virtualenv ---------------------------------------------------------------
 def run_raytrain(args: argparse.Namespace, lifetimes: list[float] | None, k: int, target: float | None,
                  limit_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench-raytrain-") as d:
-        log, stop = Path(d, "log.jsonl"), Path(d, "stop")
-        argv = [BENCH_PY, str(HERE / "_raytrain_child.py"), "--root", str(ROOT), "--task", args.task,
-                "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--accum", str(args.accum),
-                "--device-ms", str(args.device_ms), "--checkpoint-every", str(k),
-                "--provisioning-s", str(args.provisioning_s), "--log", str(log), "--stop-file", str(stop),
-                "--limit-s", str(limit_s), "--storage", str(Path(d, "storage"))]
-        if lifetimes is not None:
-            Path(d, "trace.json").write_text(json.dumps(lifetimes))
-            argv += ["--trace", str(Path(d, "trace.json"))]
-        env = {**os.environ, "RAY_TRAIN_V2_ENABLED": "1", "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(Path(d, "stderr"), "wb"),
-                                start_new_session=True, env=env)
-        started = time.monotonic()
-        timed_out = False
-        try:
-            while proc.poll() is None:
-                records = read_log(log)
-                losses = [r["loss"] for r in records if r["kind"] == "step"]
-                now = smoothed(losses)
-                elapsed = time.monotonic() - started
-                if (target is not None and now is not None and now <= target) or \
-                        (target is None and records and records[-1]["t"] - records[0]["t"] >= args.budget_s):
-                    stop.touch()
-                if elapsed > limit_s + 90:  # it did not stop at its own limit: killed, and said so
-                    timed_out = True
-                    break
-                time.sleep(0.5)  # polling the log
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            proc.wait()
-        records = read_log(log)
-        error = None if records else f"Ray Train wrote nothing: {Path(d, 'stderr').read_text()[-2000:]}"
-    if error:
-        raise ChildFailed(error)
-    t0 = records[0]["t"]
-    steps, restored, lost, restarts, best = [], [], 0, -1, 0
-    kills = sum(1 for r in records if r["kind"] == "kill")
-    for r in records:
-        if r["kind"] == "start":
-            restarts += 1
-            lost += max(best - r["step"], 0)
-            restored.append(r["t"] - t0)
-        elif r["kind"] == "step":
-            best = max(best, r["step"])
-            steps.append((r["t"] - t0, r["step"], r["loss"]))
-    launches = [r for r in records if r["kind"] == "launch"]
-    instances = [(r["t"] - t0, (r["t"] - t0) + r["lifetime"]) for r in launches]
-    out = summarize("raytrain", steps, instances, target, args, kills=kills, lost_steps=lost, restarts=max(restarts, 0))
-    out["timed_out"] = timed_out
+    records = run_rival("raytrain", "_raytrain_child.py", ["--checkpoint-every", str(k)], args, lifetimes, target,
+                        limit_s, env={"RAY_TRAIN_V2_ENABLED": "1"})
+    out = rival_summary("raytrain", records, target, args)
     out["checkpoint_every"] = k
     return out
 
 
-def read_log(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
-
-
-# ---- figures -------------------------------------------------------------------------------------
-def summarize(name: str, steps: list[tuple[float, int, float]], instances: list[tuple[float, float | None]],
-              target: float | None, args: argparse.Namespace, **extra: Any) -> dict:
-    """Time, dollars and steps at the target (or at the end of the budget for a run without one)."""
-    losses = [loss for _, _, loss in steps]
-    best = max((step for _, step, _ in steps), default=0)
-    reached_at, reached_step = reached(steps, target) or (None, None)
-    end = reached_at if reached_at is not None else (steps[-1][0] if steps else None)
-    dollars = None if end is None else dollars_at(instances, end)
-    final_step = reached_step if reached_step is not None else best
-    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if b[1] == a[1] + 1]
-    return {"name": name, "reached": reached_at is not None, "time_s": end, "dollars": dollars,
-            "first_step_s": steps[0][0] if steps else None,
-            "steps_done": final_step, "samples_per_second": final_step * global_batch(args) / end if end else None,
-            "step_s": statistics.median(gaps) if gaps else None, "loss_now": smoothed(losses),
-            "curve": [(round(t, 2), round(loss, 4)) for t, _, loss in steps],
-            "instances": instances, **extra}
-
-
-def dollars_at(instances: list[tuple[float, float | None]], t: float) -> float:
-    """What the fleet cost up to ``t``: every instance from its launch to its end (or ``t``)."""
-    seconds = sum(max(min(end if end is not None else t, t) - launch, 0.0) for launch, end in instances)
-    return seconds / 3600 * PRICE_PER_HOUR
-
-
-def global_batch(args: argparse.Namespace) -> int:
-    return args.workers * args.accum * args.batch_size
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--task", choices=["charlm", "synthetic"], default="charlm")
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16, help="per micro-batch")
-    parser.add_argument("--accum", type=int, default=24, help="micro-batches per worker per global step")
-    parser.add_argument("--device-ms", type=float, default=60.0, help="sleep per micro-batch (an accelerator step)")
-    parser.add_argument("--lifetimes", default="10,20,50", help="mean instance lifetimes, in global steps E")
+    add_arguments(parser)
     parser.add_argument("--checkpoint-every", default="1,5", help="Ray Train checkpoint intervals (steps) to try")
-    parser.add_argument("--budget-s", type=float, default=150.0, help="the no-preemption runs' time; sets the target")
-    parser.add_argument("--limit-factor", type=float, default=3.0, help="a preempted run's limit, x budget")
-    parser.add_argument("--provisioning-s", type=float, default=3.0)
-    parser.add_argument("--notice-s", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=11)
-    parser.add_argument("--plot", default=None, help="write the loss curves at L20 here (PNG; needs .bench-venv)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--limit-s", type=float, default=600.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        ours_child(args)
-        return
     if args.quick:
         args.budget_s, args.lifetimes, args.limit_factor, args.accum = 16.0, "20", 1.5, 6
         args.checkpoint_every = args.checkpoint_every.split(",")[0]
     have_raytrain = Path(BENCH_PY).exists() and not args.quick
     lifetimes = [float(x) for x in args.lifetimes.split(",")]
     ks = [int(x) for x in args.checkpoint_every.split(",")]
-    runs: dict[str, dict | None] = {}
-    errors: dict[str, str] = {}
-
-    def attempt(key: str, fn: Any, *fn_args: Any) -> dict | None:
-        try:
-            runs[key] = fn(*fn_args)
-        except ChildFailed as e:
-            runs[key], errors[key] = None, str(e)[-600:]
-        print(f"  {key}: {describe(runs[key], errors.get(key))}", flush=True)
-        return runs[key]
+    contest = Contest()
+    errors = contest.errors
 
     print(f"global batch {global_batch(args)} ({args.workers} workers x {args.accum} x {args.batch_size}), "
           f"{args.device_ms:g} ms per micro-batch; budget {args.budget_s:g} s", flush=True)
-    base_rt = attempt("raytrain none", run_raytrain, args, None, ks[0], None, args.budget_s) if have_raytrain else None
+    base_rt = contest.attempt("raytrain none", run_raytrain, args, None, ks[0], None, args.budget_s) \
+        if have_raytrain else None
     if not have_raytrain:
         errors["raytrain"] = ("Ray Train left out of --quick" if args.quick else
                               f"Ray Train skipped: {BENCH_PY} is missing (run `make bench-env`)")
-    base_ours = attempt("ours none", run_ours, args, None, None, args.budget_s)
-    reference = base_rt or base_ours
+    base_ours = contest.attempt("ours none", run_ours, args, None, None, args.budget_s)
+    # Ray Train's run sets E and the target; without Ray Train (--quick, no bench-env) ours does
+    reference = base_rt if have_raytrain else base_ours
     e_s = (reference or {}).get("step_s")
     target = (reference or {}).get("loss_now")
     if base_ours is not None and base_rt is not None and target is not None:
@@ -331,32 +101,14 @@ def main() -> None:
         for life in lifetimes:
             lives = trace(args.seed, life * e_s)
             limit = args.limit_factor * args.budget_s
-            attempt(f"ours L{life:g}", run_ours, args, lives, target, limit)
+            contest.attempt(f"ours L{life:g}", run_ours, args, lives, target, limit)
             if have_raytrain:
                 for k in ks:
-                    attempt(f"raytrain L{life:g} k{k}", run_raytrain, args, lives, k, target, limit)
-    report(args, runs, errors, lifetimes, ks, e_s, target)
-
-
-def reached(steps: list[tuple[float, int, float]], target: float | None) -> tuple[float, int] | None:
-    """When the smoothed loss first reached ``target``, and the furthest step done by then."""
-    losses: list[float] = []
-    best = 0
-    for t, step, loss in steps:
-        losses.append(loss)
-        best = max(best, step)
-        now = smoothed(losses)
-        if target is not None and now is not None and now <= target:
-            return t, best
-    return None
-
-
-def describe(run: dict | None, error: str | None) -> str:
-    if run is None:
-        return f"failed: {error}"
-    return (f"{'reached' if run['reached'] else 'ended'} at {fmt(run['time_s'], '.1f')} s, {run['steps_done']} steps, "
-            f"${fmt(run['dollars'], '.4f')}, loss {fmt(run['loss_now'], '.4f')}, kills {run.get('kills')}, "
-            f"restarts {run.get('restarts')}")
+                    contest.attempt(f"raytrain L{life:g} k{k}", run_raytrain, args, lives, k, target, limit)
+    elif lifetimes:
+        contest.no_reference(reference)
+    report(args, contest, lifetimes, ks, e_s, target)
+    sys.exit(1 if contest.failed() else 0)
 
 
 def best_raytrain(runs: dict, life: float, ks: list[int]) -> dict | None:
@@ -366,25 +118,10 @@ def best_raytrain(runs: dict, life: float, ks: list[int]) -> dict | None:
     return min(reached, key=lambda r: r["time_s"]) if reached else (done[0] if done else None)
 
 
-def report(args: argparse.Namespace, runs: dict, errors: dict, lifetimes: list[float], ks: list[int],
+def report(args: argparse.Namespace, contest: Contest, lifetimes: list[float], ks: list[int],
            e_s: float | None, target: float | None) -> None:
-    rows = []
-    for key, run in runs.items():
-        if run is None:
-            rows.append([key, "failed", "-", "-", "-", "-", "-", "-"])
-            continue
-        base = runs.get("ours none") if run["name"] == "ours" else runs.get("raytrain none")
-        retained = (run["samples_per_second"] / base["samples_per_second"]
-                    if base and base["samples_per_second"] and run["samples_per_second"] else None)
-        run["retained"] = retained
-        lost = "n/a" if run.get("lost_steps") is None else run["lost_steps"] * global_batch(args)
-        rows.append([key, "reached" if run["reached"] else ("budget" if "none" in key else "NOT reached"),
-                     fmt(run["time_s"], ".1f"), fmt(run["dollars"], ".4f"), fmt(run["first_step_s"], ".1f"),
-                     fmt(run["step_s"], ".2f"), fmt(run["samples_per_second"], ".1f"),
-                     fmt(retained), f"{run.get('kills', 0)}/{run.get('restarts', 0)}", lost])
-    print_table(["<20", "<12", ">9", ">9", ">10", ">8", ">11", ">9", ">12", ">12"],
-                ["run", "target", "time s", "$", "1st step", "step s", "samples/s", "retained", "kills/rest.",
-                 "lost samples"], rows)
+    runs = contest.runs
+    contest.table(args, lambda run: runs.get("ours none") if run["name"] == "ours" else runs.get("raytrain none"))
     figures: dict[str, Any] = {"e_s": e_s, "target_loss": target, "global_batch": global_batch(args),
                                "task": args.task, "workers": args.workers, "quick": args.quick}
     for name in ("ours", "raytrain"):
@@ -411,35 +148,20 @@ def report(args: argparse.Namespace, runs: dict, errors: dict, lifetimes: list[f
             print(f"L{life:g}: ours {ours['time_s']:.1f} s / ${ours['dollars']:.4f}; Ray Train "
                   f"(k={rt['checkpoint_every']}) {rt['time_s']:.1f} s / ${rt['dollars']:.4f}{never}; "
                   f"ratio {figures[f'time_ratio_{tag}']:.3f} time, {fmt(figures[f'dollar_ratio_{tag}'])} dollars")
-    for key, error in errors.items():
-        print(f"{key}: {error}")
-    figures["errors"] = errors or None
+    for name in ("ours", "raytrain"):
+        gaps = [g for key, run in runs.items() if run and run["name"] == name for g in run.get("kill_gaps", [])]
+        joins = [j for key, run in runs.items() if run and run["name"] == name for j in run.get("joins", [])]
+        figures[f"kill_to_next_step_s_{name}"] = statistics.median(gaps) if gaps else None
+        figures[f"join_to_first_step_s_{name}"] = statistics.median(joins) if joins else None
+    figures["errors"] = contest.errors or None
     if args.plot and Path(BENCH_PY).exists():
-        plot(args, runs, lifetimes, ks, figures)
+        life = 20.0 if 20.0 in lifetimes else lifetimes[0]
+        plot(args.plot, f"{args.task}, {args.workers} instances, global batch {global_batch(args)}", target,
+             [("spotswarm, no preemptions", runs.get("ours none")),
+              ("Ray Train, no preemptions", runs.get("raytrain none")),
+              (f"spotswarm, lifetime {life:g} E", runs.get(f"ours L{life:g}")),
+              (f"Ray Train, lifetime {life:g} E", best_raytrain(runs, life, ks))])
     print_json(figures)
-
-
-def plot(args: argparse.Namespace, runs: dict, lifetimes: list[float], ks: list[int], figures: dict) -> None:
-    life = 20.0 if 20.0 in lifetimes else lifetimes[0]
-    curves = {}
-    for label, run in (("spotswarm, no preemptions", runs.get("ours none")),
-                       ("Ray Train, no preemptions", runs.get("raytrain none")),
-                       (f"spotswarm, lifetime {life:g} E", runs.get(f"ours L{life:g}")),
-                       (f"Ray Train, lifetime {life:g} E", best_raytrain(runs, life, ks))):
-        if run is not None:
-            times = [t for t, _ in run["curve"]]
-            curves[label] = {"t": times, "loss": [v for _, v in run["curve"]],
-                             "dollars": [dollars_at(run["instances"], t) for t in times]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"curves": curves, "target": figures.get("target_loss"), "out": args.plot,
-                   "title": f"{args.task}, {args.workers} instances, global batch {global_batch(args)}"}, f)
-    try:
-        subprocess.run([BENCH_PY, str(HERE / "_plot_vs_raytrain.py"), f.name], check=True, timeout=120)
-        print(f"plot: {args.plot}")
-    except (subprocess.SubprocessError, OSError) as e:
-        print(f"plot failed: {e}")
-    finally:
-        os.unlink(f.name)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ Python standard library's own source files, which exist on every Python install)
 (the same with remote mixture-of-experts feed-forward layers over a run's expert grid) and
 ``synthetic`` (regression onto a fixed random teacher network, generated on the fly). Users plug
 their own task in by import path: ``mypackage.tasks:make_task`` (a callable returning a Task).
+
+This module imports only torch and the standard library at its top: the benchmarks' rivals (Ray
+Train, torchft) load this file on its own, in a virtualenv without the project's dependencies
+(``benchmarks/_rival_task.py``), so that every contender trains the very same task.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from .worker_config import BUILTIN_TASK_NAMES
 
 Batch = Any
 
@@ -184,8 +186,9 @@ def moe_charlm_task(batch_size: int = 16, context: int = 64, lr: float = 2e-3, d
                 make_optimizer=lambda params: torch.optim.Adam(params, lr=lr))
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = dict(zip(BUILTIN_TASK_NAMES, (synthetic_task, charlm_task,
-                                                                             moe_charlm_task), strict=True))
+# the names are also workers.worker_config.BUILTIN_TASK_NAMES (which must not import torch); a test keeps them equal
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"synthetic": synthetic_task, "charlm": charlm_task,
+                                                 "moe-charlm": moe_charlm_task}
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:

@@ -9,7 +9,7 @@ import pydantic
 
 from p2p.devices import DeviceName
 
-BUILTIN_TASK_NAMES = ("synthetic", "charlm", "moe-charlm")  # workers.task.BUILTIN_TASKS makes them
+BUILTIN_TASK_NAMES = ("synthetic", "charlm", "moe-charlm")  # workers.task.BUILTIN_TASKS makes them (a test keeps both equal)
 
 
 class WorkerConfig(pydantic.BaseModel):

@@ -1,4 +1,5 @@
-"""The plot of ``bench_vs_raytrain.py --plot``: loss against wall time and against instance-dollars.
+"""The plot of ``bench_vs_raytrain.py --plot`` and ``bench_vs_torchft.py --plot``: loss against wall
+time and against instance-dollars.
 
 Run with the benchmark-only virtualenv (matplotlib lives there, not in the project's dependencies);
 its one argument is a JSON file of curves written by the benchmark.
