@@ -5,6 +5,7 @@ on from the very epoch and parameters the run stopped with."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -44,6 +45,8 @@ available_node_types:
 training: {task: synthetic, target_batch_size: 64, min_matchmaking_time_s: 0.5, averaging_timeout_s: 10}
 checkpoint: {every_s: 20}
 """
+# the SIGKILL test's run is stopped at the end with no time for a final checkpoint: the miss is recorded
+KILL_CONFIG = CONFIG.replace("checkpoint: {every_s: 20}", "checkpoint: {every_s: 20, final_timeout_s: 0.001}")
 
 
 def rows(db_path: Path, sql: str) -> list:
@@ -60,7 +63,7 @@ def rows(db_path: Path, sql: str) -> list:
 
 @pytest.mark.timeout(400)
 def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
-    (tmp_path / "cluster.yaml").write_text(CONFIG)
+    (tmp_path / "cluster.yaml").write_text(KILL_CONFIG)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = [sys.executable, "-m", "orchestrator.cli"]
     up = subprocess.Popen([*cli, "up", "cluster.yaml", "--duration", "300"], cwd=tmp_path, env=env,
@@ -116,6 +119,19 @@ def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
     assert min(after) >= checkpoint_epoch  # it continued from the checkpoint, not from scratch
     assert max(after) > checkpoint_epoch + 2  # and kept training
     assert rows(db, "SELECT COUNT(*) FROM events WHERE kind = 'resume'") == [(1,)]
+
+    # the Ctrl-C stop had 1 ms for its final checkpoint: too little, and the store and `status` say how
+    # many epochs the last checkpoint is behind the stop
+    (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'final_checkpoint_missed'")
+    missed = json.loads(detail)
+    (last_checkpoint,), = rows(db, "SELECT MAX(epoch) FROM checkpoints")
+    assert missed["epoch"] == max(after) and missed["checkpoint_epoch"] == last_checkpoint
+    assert missed["epochs_behind"] == max(after) - last_checkpoint
+    status = subprocess.run([*cli, "status", "runs/r"], cwd=tmp_path, env={**env, "COLUMNS": "200"},
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert (f"epoch {last_checkpoint} ({missed['epochs_behind']} epochs older than the stop: final checkpoint "
+            "missed)") in status.stdout
 
 
 # ---- a clean stop loses nothing ----------------------------------------------------------------------
