@@ -125,7 +125,8 @@ class FleetPolicy:
         self._background: list[_Background] = []
         self._next_index = self._first_free_index()
         self.log_dir: Path | None = None  # where each instance's worker logs (``<instance id>.log``); None: nowhere
-        # called, with the real seconds the budget has left, before the budget's release: the final checkpoint
+        # called before the budget's release (the final checkpoint) with the real seconds it may take: half
+        # of what the budget has left at the fleet's rate
         self.before_release: Callable[[float], None] | None = None
 
     # ---- restart: adopt what the previous supervisor left running --------------------------------
@@ -474,8 +475,8 @@ class FleetPolicy:
             self.pending.clear()
             if self.before_release is not None and self.live:
                 left_s = max(total - spent, 0.0) / rate * 3600 if rate > 0 else 0.0  # at the fleet's rate
-                try:
-                    self.before_release(self.to_real(left_s))
+                try:  # half of it: the release itself takes time too
+                    self.before_release(self.to_real(left_s) / 2)
                 except Exception:  # never in the way of the release the budget calls for
                     logger.exception("the step before the budget's release failed")
             for inst in list(self.live.values()):

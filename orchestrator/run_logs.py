@@ -48,13 +48,21 @@ def log_to_file(path: Path, catch_uncaught: bool = False) -> logging.Handler:
     (a worker), not for one that shares its hooks (a test runner)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS, delay=False)
+    handler = _QuietRotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS, delay=False)
     handler.setFormatter(logging.Formatter(FORMAT))
     logging.getLogger().addHandler(handler)
     if catch_uncaught:
         sys.excepthook = _log_uncaught
         threading.excepthook = _log_uncaught_in_thread
     return handler
+
+
+class _QuietRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A record that cannot be written (the disk is full) is dropped: logging's default prints a
+    traceback to stderr for each one, which would read as the run's own failure."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
 
 
 def stop_logging(handler: logging.Handler | None) -> None:

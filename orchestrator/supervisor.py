@@ -416,7 +416,7 @@ class SupervisorCore:
         stopped_at = max([r["epoch"] for r in records.values()] + [self.epoch])
         try:
             if not records:
-                if have is not None and have >= stopped_at:
+                if stopped_at <= (have or 0):  # nothing newer than the last checkpoint (or nothing trained)
                     self.store.event("final_checkpoint", detail={"epoch": have, "written": False, "peers": {},
                                                                  "seconds": round(time.monotonic() - started, 3)})
                     return
