@@ -150,8 +150,10 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
         with open(tmp_path / "third.out", "w") as out:
             third = subprocess.Popen([*cli, "resume", str(third_config), "--address", third_head.address],
                                      cwd=third_dir, env=third_head.env, stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: rows(third_run / "run.sqlite", "SELECT 1 FROM events WHERE kind = 'resume'"), 120,
-                 "the third head to restore the run")
+        (stopped_at,), = rows(new_db, "SELECT MAX(time) FROM events WHERE kind = 'supervisor_stop'")
+        # the restored history holds the second head's resume too: the third's is the one after the stop
+        wait_for(lambda: rows(third_run / "run.sqlite", "SELECT 1 FROM events WHERE kind = 'resume' AND time > ?",
+                              stopped_at), 120, "the third head to restore the run")
         since = last_resumed(third_run)
         wait_for(lambda: len(loaded_states(third_run, instances_since(third_run, since))) == FLEET, 240,
                  "the third head's fleet to load the run's state")
