@@ -122,13 +122,16 @@ class CollaborativeOptimizer:
         on_cpu = all(p.device.type == "cpu" for p in self.params)
         self.grad_buffers = self.host_buffers if on_cpu else [torch.zeros_like(p, dtype=torch.float32)
                                                               for p in self.params]
-        if load_state_on_start and not self._load_state_if_any():
-            # nothing to load may mean a new run, or that the others' records have not reached us yet (a
-            # newcomer that met only a restarting supervisor): never step alone from epoch 0 before
-            # giving them one freshness period, or we would hold epochs the swarm passed long ago
+        if load_state_on_start:
+            loaded = self._load_state_if_any()
+            # the others' records may not have reached us yet: nothing to load may mean a newcomer that
+            # met only a restarting supervisor (stepping alone from epoch 0, we would hold epochs the
+            # swarm passed long ago), and newcomers that loaded one checkpoint together would each step
+            # alone from it into other parameters at the same epoch.  Never step alone before giving
+            # them one freshness period.
             self._alone_not_before = time.monotonic() + self.tracker.fresh_for
-        elif load_state_on_start:
-            self._probe_upload()
+            if loaded:
+                self._probe_upload()
         self._report(force=True, wait=True)  # the others count us from the first step on
         self._advertise(wait=True)
 
