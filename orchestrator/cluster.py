@@ -167,8 +167,8 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
                     break
         if not console.is_terminal:
             console.line()  # a live table written to a file or pipe ends without a newline
-        console.print("stopping: releasing every instance (the run's data is kept)")
-        ray.get(supervisor.stop.remote(), timeout=120)
+        console.print("stopping: a final checkpoint, then releasing every instance (the run's data is kept)")
+        ray.get(supervisor.stop.remote(), timeout=120 + config.checkpoint.final_timeout_s)
         return status
     finally:
         if supervisor is not None:
@@ -355,7 +355,8 @@ def _down_run(run_dir: str, console: Console, address: str | None = None) -> int
                           "another process now); removed")
             pid_file.unlink(missing_ok=True)
         return _down_detached(Path(run_dir), console, address)
-    deadline = time.monotonic() + 180
+    with closing(RunStore.open(Path(run_dir))) as store:  # the stop's final checkpoint may take this long too
+        deadline = time.monotonic() + 180 + store.config().checkpoint.final_timeout_s
     while pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.5)  # waiting for the run's own command to release everything, bounded
     console.print(f"{run_dir}: stopped; every instance released, data kept")
@@ -378,7 +379,7 @@ def _down_detached(run_dir: Path, console: Console, address: str | None) -> int:
         console.print(f"{run_dir}: no supervisor on the cluster at {config.ray.address}; not running (data kept)")
         return 0
     try:
-        ray.get(supervisor.stop.remote(), timeout=180)
+        ray.get(supervisor.stop.remote(), timeout=180 + config.checkpoint.final_timeout_s)
         ray.kill(supervisor)
     finally:
         ray.shutdown()

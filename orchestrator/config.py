@@ -361,6 +361,8 @@ class CheckpointConfig(_Strict):
     directory: str | None = None  # default: <run dir>/checkpoints
     every_s: float = pydantic.Field(60.0, gt=0)
     keep: int = pydantic.Field(3, ge=1)
+    # a clean stop's final checkpoint waits this long (real seconds) for a live peer's newest state
+    final_timeout_s: float = pydantic.Field(60.0, gt=0, le=3600)
     uri: S3Uri | None = None  # s3://bucket[/prefix]: checkpoints also go to object storage
     endpoint_url: EndpointUrl | None = None  # an S3-compatible endpoint other than AWS's (tests: moto)
 

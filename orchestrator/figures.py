@@ -154,9 +154,43 @@ class Headline:
     experts_grid: int | None = None
     experts_min_replicas: int | None = None
     kmin_fraction: float | None = None  # of the trainers' forward passes, since the run (or resume) began
+    # what samples_per_second is: the newest figure of a live run, or the mean over the last minute
+    # (of the run's clock) before a stopped run's stop
+    samples_per_second_over: str = "now"
+    checkpoint_epoch: int | None = None  # the newest checkpoint's
+    # a stopped run whose final checkpoint was missed: how many epochs older the last checkpoint is
+    checkpoint_epochs_behind: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+STOPPED_WINDOW_S = 60.0  # a stopped run's samples/s: the mean over this much of its clock before the stop
+
+
+def samples_per_second_before_stop(rows: list[tuple], window_s: float = STOPPED_WINDOW_S) -> float | None:
+    """The mean of the samples/s figures recorded in the last ``window_s`` before the last progress
+    row (at least that row): what the fleet did at the end, not one figure taken at random."""
+    if not rows:
+        return None
+    end = rows[-1][0]
+    recent = [r[3] for r in rows if r[0] >= end - window_s and r[3] is not None]
+    return sum(recent) / len(recent) if recent else None
+
+
+def checkpoint_state(store: RunStore) -> tuple[int | None, int | None]:
+    """The newest checkpoint's epoch, and, when the last stop's final checkpoint was missed (no
+    checkpoint came after it), how many epochs older than the stop that checkpoint is."""
+    row = store.db.execute("SELECT epoch, time FROM checkpoints ORDER BY epoch DESC, time DESC LIMIT 1").fetchone()
+    epoch, at = (int(row[0]), float(row[1])) if row else (None, float("-inf"))
+    missed = store.events("final_checkpoint_missed")
+    if not missed or missed[-1][0] < at:
+        return epoch, None
+    try:
+        behind = int(json.loads(missed[-1][3])["epochs_behind"])
+    except (TypeError, KeyError, ValueError):
+        return epoch, None
+    return epoch, behind
 
 
 def headline(store: RunStore, now: float, live: bool) -> Headline:
@@ -164,10 +198,14 @@ def headline(store: RunStore, now: float, live: bool) -> Headline:
     costs = summarize_costs(store, now)
     rows = store.progress_rows()
     alive = [i for i in instances if i.ended_at is None] if live else []  # a stopped run has none up
+    checkpoint_epoch, behind = checkpoint_state(store)
     return Headline(
         cluster=store.config().cluster_name, live=live, now=now, elapsed_s=now - run_start(store),
         epoch=store.latest_epoch(), loss=rows[-1][2] if rows else None,
-        samples_per_second=rows[-1][3] if rows else None, samples=costs.samples,
+        samples_per_second=(rows[-1][3] if rows else None) if live else samples_per_second_before_stop(rows),
+        samples_per_second_over="now" if live else "last minute before the stop",
+        checkpoint_epoch=checkpoint_epoch, checkpoint_epochs_behind=None if live else behind,
+        samples=costs.samples,
         live_instances=len(alive), instances=len(instances), preemptions=costs.preemptions,
         replacements=len(replacements(instances)), instance_hours=costs.instance_hours, dollars=costs.dollars,
         on_demand_dollars=costs.on_demand_dollars, savings_dollars=costs.savings,
@@ -186,12 +224,27 @@ def _experts_headline(store: RunStore) -> dict:
     return {"experts_live": live, "experts_grid": grid, "experts_min_replicas": min_replicas, "kmin_fraction": kmin}
 
 
-HEADLINE_ROWS: list[tuple[str, Callable[[Headline], str | None]]] = [
+def _samples_per_second_label(h: Headline) -> str:
+    return "samples/s" if h.samples_per_second_over == "now" else f"samples/s ({h.samples_per_second_over})"
+
+
+def _checkpoint_text(h: Headline) -> str:
+    if h.checkpoint_epoch is None:
+        return "none" if not h.checkpoint_epochs_behind else f"none ({h.checkpoint_epochs_behind} epochs lost " \
+                                                                "at the stop: final checkpoint missed)"
+    if h.checkpoint_epochs_behind:
+        return (f"epoch {h.checkpoint_epoch} ({h.checkpoint_epochs_behind} epochs older than the stop: "
+                "final checkpoint missed)")
+    return f"epoch {h.checkpoint_epoch}"
+
+
+HEADLINE_ROWS: list[tuple[str | Callable[[Headline], str], Callable[[Headline], str | None]]] = [
     ("state", lambda h: "running" if h.live else "stopped"),
     ("run time (s)", lambda h: f"{h.elapsed_s:,.0f}"),
     ("global epoch", lambda h: str(h.epoch)),
+    ("last checkpoint", _checkpoint_text),
     ("loss", lambda h: f"{h.loss:.4f}" if h.loss is not None else "-"),
-    ("samples/s", lambda h: f"{h.samples_per_second:,.0f}" if h.samples_per_second else "-"),
+    (_samples_per_second_label, lambda h: f"{h.samples_per_second:,.0f}" if h.samples_per_second else "-"),
     ("samples trained", lambda h: f"{h.samples:,}"),
     ("instances live / used", lambda h: f"{h.live_instances} / {h.instances}"),
     ("preemptions / replacements", lambda h: f"{h.preemptions} / {h.replacements}"),
@@ -213,7 +266,8 @@ HEADLINE_ROWS: list[tuple[str, Callable[[Headline], str | None]]] = [
 
 
 def headline_rows(h: Headline) -> list[tuple[str, str]]:
-    return [(label, value) for label, fmt in HEADLINE_ROWS if (value := fmt(h)) is not None]
+    return [(label if isinstance(label, str) else label(h), value) for label, fmt in HEADLINE_ROWS
+            if (value := fmt(h)) is not None]
 
 
 # ---- instance table ----------------------------------------------------------------------------

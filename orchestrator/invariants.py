@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from .figures import cost_breakdown
+from .run_logs import LOG_DIR, SUPERVISOR_LOG, log_files
 from .run_store import RunStore, summarize_costs
 from .supervisor import checkpoint_directory, read_checkpoint
 
@@ -29,7 +30,7 @@ ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b")
 
 @dataclass(frozen=True)
 class Violation:
-    invariant: str  # store | checkpoints | stall | recovery | leaks | tracebacks | equal_params
+    invariant: str  # store | checkpoints | stall | recovery | leaks | logs | tracebacks | equal_params
     detail: str
 
 
@@ -119,6 +120,27 @@ def check_tracebacks(paths: Iterable[Path]) -> list[Violation]:
     return [Violation("tracebacks", line) for line in error_tracebacks(paths)]
 
 
+def expected_logs(store: RunStore) -> list[str]:
+    """The logs a run must have left in ``<run dir>/logs``: the supervisor's, once one ran, and, on the
+    local provider (whose instances share this machine's disk), the worker's of every instance that
+    trained (its first averaged step is on record).  A cloud instance's log is on its own disk."""
+    names = [SUPERVISOR_LOG] if store.events("supervisor_start") else []
+    if store.config().provider.type == "local":
+        names += sorted({row[2] for row in store.events("first_step") if row[2]})
+    return names
+
+
+def run_logs(run_dir: Path) -> list[Path]:
+    """Every log file of the run: ``*.log`` anywhere in the run directory and the rotated ones in ``logs/``."""
+    return sorted({*run_dir.rglob("*.log"), *(run_dir / LOG_DIR).glob("*.log.*")})
+
+
+def check_logs_present(run_dir: Path, names: Iterable[str]) -> list[Violation]:
+    """A log that should be there and is not: a check that scanned nothing would pass anything."""
+    return [Violation("logs", f"{run_dir / LOG_DIR / (name + '.log')} missing (expected for {name})")
+            for name in names if not log_files(run_dir, name)]
+
+
 def processes_mentioning(marker: str, exclude: Iterable[int] = ()) -> list[psutil.Process]:
     """Live processes whose command line names ``marker`` (a run directory, a session's path)."""
     skip = set(exclude)
@@ -162,13 +184,15 @@ def check_run(run_dir: Path, stopped: bool, stall_bound_s: float | None = None) 
         violations = check_store(store, stopped)
         rows = [(row[0], row[1]) for row in store.progress_rows()]
         worst = max(stalls(rows, supervisor_downtimes(store)), default=0.0)
+        expected = expected_logs(store)
     finally:
         store.close()
     broken, checkpoints = check_checkpoints(run_dir)
     violations += broken
     if stall_bound_s is not None and worst > stall_bound_s:
         violations.append(Violation("stall", f"no new epoch for {worst:.1f} s (bound {stall_bound_s:g} s)"))
-    logs = sorted(run_dir.rglob("*.log"))
+    logs = run_logs(run_dir)
+    violations += check_logs_present(run_dir, expected)
     violations += check_tracebacks(logs)
     if stopped:  # nothing of a stopped run runs on (this check itself excepted)
         violations += check_leaks(str(run_dir.resolve()), exclude=[os.getpid()])

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from .config import ClusterConfig
@@ -123,6 +124,10 @@ class FleetPolicy:
         self._next_poll = float("-inf")
         self._background: list[_Background] = []
         self._next_index = self._first_free_index()
+        self.log_dir: Path | None = None  # where each instance's worker logs (``<instance id>.log``); None: nowhere
+        # called before the budget's release (the final checkpoint) with the real seconds it may take: half
+        # of what the budget has left at the fleet's rate
+        self.before_release: Callable[[float], None] | None = None
 
     # ---- restart: adopt what the previous supervisor left running --------------------------------
     def adopt(self, lost_at: float | None = None, timeout: float = 120.0, head_changed: bool = False) -> list[str]:
@@ -173,7 +178,7 @@ class FleetPolicy:
         running = self.workers.running(inst)
         if running:
             return running["peer_id"], running.get("phase") == "standby"
-        return self.workers.place(inst, self.worker_args(inst.node_type)), False
+        return self.workers.place(inst, self._logging(inst.id, self.worker_args(inst.node_type))), False
 
     @property
     def launching(self) -> int:
@@ -468,6 +473,12 @@ class FleetPolicy:
             self.store.event("budget_exhausted", detail={"spent": spent, "max_total_dollars": total})
             logger.warning("budget exhausted: $%.4f of $%.2f; releasing every instance", spent, total)
             self.pending.clear()
+            if self.before_release is not None and self.live:
+                left_s = max(total - spent, 0.0) / rate * 3600 if rate > 0 else 0.0  # at the fleet's rate
+                try:  # half of it: the release itself takes time too
+                    self.before_release(self.to_real(left_s) / 2)
+                except Exception:  # never in the way of the release the budget calls for
+                    logger.exception("the step before the budget's release failed")
             for inst in list(self.live.values()):
                 self._ended(inst.id, "budget")
                 self._submit("release", inst, self._release, inst)
@@ -529,8 +540,12 @@ class FleetPolicy:
         return sum(1 for i in set(self.spares) if i in self.live and i not in self.noticed)
 
     def _worker_args_of(self, instance_id: str, node_type: str) -> dict[str, Any]:
-        args = self.worker_args(node_type)
+        args = self._logging(instance_id, self.worker_args(node_type))
         return {**args, "standby": True} if instance_id in self.spares else args
+
+    def _logging(self, instance_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A worker's arguments with where it logs in the run directory, if the run says."""
+        return args if self.log_dir is None else {**args, "log_file": str(self.log_dir / f"{instance_id}.log")}
 
     def _launched(self, inst: Instance, place: bool = True) -> None:
         self.live[inst.id] = inst

@@ -107,6 +107,9 @@ class WorkerActor:
     def expert_stats(self) -> dict:
         return self.core.expert_stats()
 
+    def stop_stepping(self, timeout: float) -> dict | None:
+        return self.core.stop_stepping(timeout)
+
     def stop(self) -> None:
         self.core.stop()
 
@@ -309,6 +312,30 @@ class RayWorkers:
         # a worker that died with its whole machine is the provider's to report (preempted or died)
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         return [i for i in dead if self._worker_node.pop(i, None) in alive_nodes]
+
+    def stop_stepping(self, instances: list[Instance], timeout: float) -> dict[str, dict]:
+        """Every trainer among ``instances`` finishes its round and stops stepping, all at once (see
+        ``WorkerCore.stop_stepping``); the answers that came within ``timeout``, by instance id.  Expert
+        servers, spares, and workers gone, leaving or still booting answer nothing."""
+        calls = {}
+        for instance in instances:
+            try:  # a tenth of the time is the call's own: a round still going after the rest is left to finish
+                calls[self._actor(instance).stop_stepping.remote(0.9 * timeout)] = instance.id
+            except ValueError:  # no worker (yet): nothing to stop
+                continue
+        if not calls:
+            return {}
+        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
+        answers = {}
+        for ref in ready:
+            try:
+                record = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - died meanwhile: it holds nothing to checkpoint
+                logger.info("worker of %s did not stop stepping: %s", calls[ref], e)
+                continue
+            if record:
+                answers[calls[ref]] = record
+        return answers
 
     def stop(self, instance: Instance) -> None:
         self._worker_node.pop(instance.id, None)

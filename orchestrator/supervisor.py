@@ -10,6 +10,7 @@ it also serves the newest checkpoint as a state donor, so new workers continue f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from .notices import instance_watch
 from .policy import FleetPolicy
 from .providers import Instance, LaunchSpec, make_provider
 from .ray_workers import RayWorkers, announce_host
+from .run_logs import SUPERVISOR_LOG, log_dir, log_path, log_to_file, stop_logging
 from .run_store import RunStore
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class SupervisorCore:
     def __init__(self, config: ClusterConfig, run_dir: Path, tick_s: float = 0.2) -> None:
         self.config = config
         self.tick_s = tick_s
+        self._log = log_to_file(log_path(run_dir, SUPERVISOR_LOG))  # the run's own log, not Ray's session's
         self.store = RunStore(run_dir)
         last = self.store.last_time()
         scale = config.provider.time_scale if config.provider.type == "local" else 1.0
@@ -90,6 +93,9 @@ class SupervisorCore:
                                   self._worker_control(), self._worker_args, boot_script=self._boot_script,
                                   to_real=self.clock.to_real)
         self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
+        self.policy.log_dir = log_dir(run_dir).resolve()  # each instance's worker logs there
+        self.policy.before_release = self._final_checkpoint  # the budget's release waits for it
+        self._final_taken = False
         self.experts = ExpertFleet(config, self.store, lambda: self.policy.live, lambda: self.policy.noticed,
                                    self.policy.workers.handle, self._checkpoint_dir(), self.clock,
                                    archive=(lambda d: self.archiver.submit(experts=d)) if self.archiver else None) \
@@ -250,12 +256,15 @@ class SupervisorCore:
         self._close(release=False)
 
     def _close(self, release: bool) -> None:
+        if release:
+            self.store.event("stopping")  # where a stop's time starts (the final checkpoint is part of it)
         self._halt()
         self._checkpointer.shutdown(wait=True, cancel_futures=True)  # a download in flight ends within its timeouts
         job = self._checkpointing
         if job is not None and job.done() and not job.cancelled():
             self._record_checkpoint(job)
         if release:
+            self._final_checkpoint()  # before any instance is released: the peers hold the newest state
             if self.experts is not None:
                 self.experts.final_checkpoint()
             self.policy.release_all()
@@ -264,6 +273,7 @@ class SupervisorCore:
         self._flush_archive()
         self.dht.shutdown()
         self.store.close()
+        stop_logging(self._log)
 
     def _flush_archive(self) -> None:
         """The history's last upload, waited for (bounded): what the next head restores from."""
@@ -344,6 +354,10 @@ class SupervisorCore:
     def _write_checkpoint(self, min_epoch: int) -> tuple[int, Any, Path]:
         """The newest state from the peers, written to its file (the checkpoint thread)."""
         epoch, state = self.dht.run_coroutine(lambda n: self.state.download(min_epoch=min_epoch))
+        return epoch, state, self._save_checkpoint(epoch, state)
+
+    def _save_checkpoint(self, epoch: int, state: Any) -> Path:
+        """``state`` written atomically as the checkpoint of ``epoch``; its path."""
         directory = self._checkpoint_dir()
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"epoch-{epoch:06d}.pt"
@@ -354,7 +368,7 @@ class SupervisorCore:
         except BaseException:
             tmp.unlink(missing_ok=True)  # a full disk's partial file would keep it full
             raise
-        return epoch, state, path
+        return path
 
     def _record_checkpoint(self, job: Future) -> None:
         try:
@@ -367,14 +381,75 @@ class SupervisorCore:
         except Exception as e:  # a full disk, a peer gone mid-download: the next period tries again
             logger.warning("checkpoint failed: %s: %s", type(e).__name__, e)
             return
-        directory = path.parent
+        self._keep_checkpoint(epoch, state, path)
+
+    def _keep_checkpoint(self, epoch: int, state: Any, path: Path, final: bool = False) -> None:
+        """A written checkpoint: served from now on, recorded, the oldest pruned, archived."""
         self.checkpoint_state = (epoch, state)
         self.store.checkpoint(epoch, path)
-        self.store.event("checkpoint", detail={"epoch": epoch, "path": str(path)})
-        for old in sorted(directory.glob("epoch-*.pt"))[: -self.config.checkpoint.keep]:
+        self.store.event("checkpoint", detail={"epoch": epoch, "path": str(path), **({"final": True} if final else {})})
+        for old in sorted(path.parent.glob("epoch-*.pt"))[: -self.config.checkpoint.keep]:
             old.unlink(missing_ok=True)
         if self.archiver is not None:
             self.archiver.submit(path)  # on the upload thread: the tick never waits on S3
+
+    # ---- the final checkpoint of a clean stop --------------------------------------------------
+    def _final_checkpoint(self, within_s: float | None = None) -> None:
+        """The newest state at the stop, checkpointed before any instance is released: the trainers
+        finish their rounds and stop stepping (staying up as state donors), and the state of one at
+        the newest epoch is written like any checkpoint, so ``resume`` continues from exactly where
+        the run stopped.  Bounded by ``checkpoint.final_timeout_s`` (and ``within_s``, what the budget
+        leaves); when no peer answers in time the stop goes on, and the store records how many epochs
+        older the last checkpoint is (``final_checkpoint_missed``).  Once per supervisor."""
+        if self._final_taken:
+            return
+        self._final_taken = True
+        started = time.monotonic()
+        timeout = self.config.checkpoint.final_timeout_s if within_s is None else \
+            max(min(within_s, self.config.checkpoint.final_timeout_s), 0.0)
+        deadline = started + timeout
+        trainers = [i for i in list(self.policy.live.values()) if self.config.role(i.node_type) != "experts"]
+        # three quarters for the rounds in flight to finish, the rest for the download
+        records = self.policy.workers.stop_stepping(trainers, 0.75 * timeout) if trainers else {}
+        self._record_progress()  # what the view holds now; the peers' own answers follow
+        have = self.checkpoint_state[0] if self.checkpoint_state is not None else None
+        stopped_at = max([r["epoch"] for r in records.values()] + [self.epoch])
+        try:
+            if not records:
+                if stopped_at <= (have or 0):  # nothing newer than the last checkpoint (or nothing trained)
+                    self.store.event("final_checkpoint", detail={"epoch": have, "written": False, "peers": {},
+                                                                 "seconds": round(time.monotonic() - started, 3)})
+                    return
+                raise StateUnavailable("no live trainer answered")
+            newest = max(r["epoch"] for r in records.values())
+            donors = [r["address"] for r in records.values() if r["epoch"] == newest and r.get("address")]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no time left of {timeout:g} s")
+            epoch, state = self.dht.run_coroutine(
+                lambda n: asyncio.wait_for(self.state.download_from(donors, min_epoch=newest), left))
+            path = self._save_checkpoint(epoch, state)
+        except Exception as e:  # noqa: BLE001 - no peer in time, a full disk: the stop goes on regardless
+            why = str(e) or type(e).__name__
+            logger.warning("final checkpoint missed (%s); the last checkpoint is of epoch %s, the run stopped at "
+                           "epoch %d", why, have, stopped_at)
+            self.store.event("final_checkpoint_missed", detail={
+                "epoch": stopped_at, "checkpoint_epoch": have, "epochs_behind": stopped_at - (have or 0),
+                "reason": why[:500], "seconds": round(time.monotonic() - started, 3)})
+            return
+        self._keep_checkpoint(epoch, state, path, final=True)
+        if epoch > self.epoch:  # the peers' last step, not in the view yet: the run's epoch is this one
+            losses = [r["loss"] for r in records.values() if r.get("loss") is not None]
+            last = self.store.progress_rows()
+            self.epoch = epoch
+            self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[-1][3] if last else 0.0,
+                                len(records), epoch * self.config.training.target_batch_size)
+        seconds = time.monotonic() - started
+        logger.info("final checkpoint of epoch %d written in %.2f s: %s", epoch, seconds, path)
+        self.store.event("final_checkpoint", detail={
+            "epoch": epoch, "path": str(path), "written": True, "seconds": round(seconds, 3),
+            "peers": {i: {"epoch": r["epoch"], "params": r["params"], "settled": r["settled"]}
+                      for i, r in records.items()}})
 
     def _checkpoint_dir(self) -> Path:
         return checkpoint_directory(self.config, self.store.dir)

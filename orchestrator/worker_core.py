@@ -32,15 +32,22 @@ class WorkerCore:
         self.watcher: Any = None
         self.instance_notice: dict | None = None  # what the machine's own watcher saw: seen_at, deadline_s
         self.rebalance_at: float | None = None
+        self.log: Any = None  # the handler that writes this worker's log into the run directory
 
     def start(self, worker_args: dict, watch: dict | None = None) -> dict:
         """Start training (or, with ``"role": "experts"`` in the arguments, serving experts); ``watch``
         ({"kind": "aws"|"gcp", "interval_s": ..., for gcp "deadline_s"}, see ``notices.instance_watch``)
         also watches this machine's metadata for its preemption notice (cloud instances), so the
         worker leaves in time even when nobody else could tell it.  ``"standby": true`` in the
-        arguments makes a warm spare: booted, joined, idle until ``activate``."""
+        arguments makes a warm spare: booted, joined, idle until ``activate``; ``"log_file"`` is where
+        this worker logs besides its stderr (the run directory's ``logs/<instance>.log``)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args = dict(worker_args)
+        log_file = args.pop("log_file", None)
+        if log_file is not None and self.log is None:
+            from .run_logs import log_to_file
+
+            self.log = log_to_file(log_file, catch_uncaught=True)
         role = args.pop("role", "trainer")
         if role == "experts":
             from workers.expert_host import ExpertHost, ExpertHostConfig  # imported here: only instances need torch
@@ -129,6 +136,15 @@ class WorkerCore:
         if host is not None:
             status.update(role="experts", peer_id=host.peer_id, address=host.address, hosted=host.hosted())
         return status
+
+    def stop_stepping(self, timeout: float) -> dict | None:
+        """A clean stop's first half: the trainer finishes its round (within ``timeout``) and takes no
+        more steps, but stays in the swarm serving its state, so that the run's final checkpoint holds
+        exactly the parameters it stopped with.  Its epoch, parameter digest and address; None for an
+        expert server or a peer that never trained."""
+        if self.peer is None or self.thread is None or self.left.is_set():  # a warm spare never trained
+            return None
+        return self.peer.stop_stepping(timeout)
 
     def throttle(self, bytes_per_s: float | None) -> None:
         """Cap this peer's traffic (None: no cap): a fault injector's slow link where no tc shapes one."""

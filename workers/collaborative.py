@@ -31,7 +31,7 @@ from dht import DHT, DHTNode, SignatureValidator
 from p2p import P2PError, PeerID
 
 from .progress import GlobalProgress, PeerProgress, ProgressTracker
-from .state import StateSharer, StateUnavailable
+from .state import StateSharer, StateUnavailable, params_digest
 
 logger = logging.getLogger(__name__)
 PROBE_PEERS = 2  # peers a newcomer probes its upload to (see averaging/bandwidth.py)
@@ -93,6 +93,7 @@ class CollaborativeOptimizer:
         self._last_advert = 0.0
         self.advert_expiration = 60.0
         self._leaving = False
+        self._interrupted = False  # give up matchmaking: the peer is stopping
         self._downloading = False
         self._alone_not_before = 0.0  # monotonic time before which we never step alone (see _rejoin)
         self._next_reconnect = 0.0  # monotonic time before which we do not try _reconnect_if_isolated again
@@ -121,13 +122,16 @@ class CollaborativeOptimizer:
         on_cpu = all(p.device.type == "cpu" for p in self.params)
         self.grad_buffers = self.host_buffers if on_cpu else [torch.zeros_like(p, dtype=torch.float32)
                                                               for p in self.params]
-        if load_state_on_start and not self._load_state_if_any():
-            # nothing to load may mean a new run, or that the others' records have not reached us yet (a
-            # newcomer that met only a restarting supervisor): never step alone from epoch 0 before
-            # giving them one freshness period, or we would hold epochs the swarm passed long ago
+        if load_state_on_start:
+            loaded = self._load_state_if_any()
+            # the others' records may not have reached us yet: nothing to load may mean a newcomer that
+            # met only a restarting supervisor (stepping alone from epoch 0, we would hold epochs the
+            # swarm passed long ago), and newcomers that loaded one checkpoint together would each step
+            # alone from it into other parameters at the same epoch.  Never step alone before giving
+            # them one freshness period.
             self._alone_not_before = time.monotonic() + self.tracker.fresh_for
-        elif load_state_on_start:
-            self._probe_upload()
+            if loaded:
+                self._probe_upload()
         self._report(force=True, wait=True)  # the others count us from the first step on
         self._advertise(wait=True)
 
@@ -319,8 +323,8 @@ class CollaborativeOptimizer:
         while True:
             await asyncio.sleep(self.report_interval * 2)
             beats.beat()
-            if not moved_on.is_set() and self.tracker.view().epoch > self.epoch:  # the background view's read
-                moved_on.set()
+            if not moved_on.is_set() and (self._interrupted or self.tracker.view().epoch > self.epoch):
+                moved_on.set()  # the background view's read, or a stop
             last = self.tracker.last_report
             if last is not None and time.monotonic() - refreshed > self.tracker.fresh_for / 2:
                 refreshed = time.monotonic()
@@ -369,7 +373,7 @@ class CollaborativeOptimizer:
             self.epoch = epoch
         self._reset_accumulators()
         self._advertise()  # a donor for the next newcomer at this epoch
-        logger.info("loaded state of epoch %d from peers", epoch)
+        logger.info("loaded state of epoch %d from peers (parameters %s)", epoch, params_digest(self.params))
         return True
 
     def _probe_upload(self) -> None:
@@ -427,6 +431,11 @@ class CollaborativeOptimizer:
         return self.dht.run_coroutine(fn)
 
     # ---- leaving -------------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Give up the matchmaking in progress, if any (a round already under way runs to its end): a
+        peer that stops stepping need not wait out a group the others will never join.  From any thread."""
+        self._interrupted = True
+
     def prepare_to_leave(self) -> None:
         """Stop taking part: withdraw progress and state adverts, unregister handlers."""
         if self._leaving:

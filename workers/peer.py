@@ -7,7 +7,6 @@ notice).  One log line per epoch; optionally one JSON line per epoch in ``report
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -27,17 +26,11 @@ from p2p.membership import Certificate, Membership
 from .collaborative import CollaborativeOptimizer
 from .moshpit_sgd import MoshpitSGD
 from .run_keys import run_validators
+from .state import params_digest as params_digest  # where it always was, for importers
 from .task import load_task
 from .worker_config import WorkerConfig as WorkerConfig  # where it always was, for importers
 
 logger = logging.getLogger(__name__)
-
-
-def params_digest(params: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for p in params:
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _on(device: torch.device, batch: Any) -> Any:
@@ -258,6 +251,28 @@ class TrainingPeer:
         if isinstance(opt, CollaborativeOptimizer):
             return opt.history[-1].group_size if opt.history else 1
         return opt.last_result.group_size if opt.last_result else 1
+
+    def stop_stepping(self, timeout: float = 30.0) -> dict:
+        """Let the current round finish (bounded by ``timeout``), then take no more steps while staying
+        in the swarm: this peer's state is still served to others, and it no longer changes, so a
+        checkpoint taken now holds exactly the parameters the peer stopped with.  Returns the epoch,
+        the digest of the parameters it serves, whether the training loop did stop in time
+        (``settled``), and the address its state is served from.  ``prepare_to_leave`` follows."""
+        with self._run_lock:
+            running = self._running
+            self._stop.set()
+        interrupt = getattr(self.optimizer, "interrupt", None)
+        if interrupt is not None:  # the others stop too: a group being formed now would never fill
+            interrupt()
+        settled = self._stopped.wait(timeout=timeout) if running else True
+        if not settled:
+            logger.warning("training loop did not stop within %.1f s", timeout)
+        optimizer = self.optimizer
+        params = list(getattr(optimizer, "params", None) or self.model.parameters())
+        record = {"epoch": self.epoch, "params": params_digest(params), "settled": settled, "address": self.address,
+                  "loss": self.history[-1]["loss"] if self.history else None}
+        logger.info("stopped stepping at epoch %d (parameters %s)", record["epoch"], record["params"])
+        return record
 
     def prepare_to_leave(self, deadline: float = 30.0, train_for: float = 0.0) -> None:
         """Stop starting new rounds, let the current one finish (bounded by ``deadline``), withdraw

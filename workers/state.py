@@ -69,6 +69,14 @@ def checksum(t: torch.Tensor) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
+def params_digest(params: list[torch.Tensor]) -> str:
+    """A short digest of parameters' exact bytes: equal digests, bit-equal parameters."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class _Snapshot:
     epoch: int
@@ -158,7 +166,12 @@ class StateSharer:
         donors = await self.donors(min_epoch)
         if not donors:
             raise StateUnavailable(f"no peer offers state of epoch >= {min_epoch}")
-        addresses = [a for _, a in donors]  # freshest first
+        return await self.download_from([a for _, a in donors], min_epoch, max_donors)  # freshest first
+
+    async def download_from(self, addresses: list[str], min_epoch: int = 0, max_donors: int = 4) -> tuple[int, Any]:
+        """``download`` from these donors (the freshest first) instead of those advertised in the DHT: a
+        caller that knows who holds the newest state need not wait for their adverts to spread."""
+        addresses = list(addresses)
         last_error: Exception | None = None
         while addresses:  # every try removes at least one donor from the list
             try:

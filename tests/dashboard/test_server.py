@@ -158,3 +158,33 @@ def test_dashboard_command_serves_until_interrupted_and_exits_cleanly(hand_run):
             proc.kill()
     assert proc.returncode == 0
     assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_a_stopped_runs_throughput_is_its_last_minute_labelled_so(tmp_path, capsys):
+    """A stopped run shows no live figure: samples/s is the mean over the last minute of the run's clock
+    before the stop, labelled so, alike in `status`, the page's API and the report."""
+    from orchestrator.cli import main
+    from orchestrator.config import ClusterConfig
+    from orchestrator.report import write_report
+
+    config = ClusterConfig.model_validate({"cluster_name": "last", "runs_dir": str(tmp_path / "runs"),
+                                           "available_node_types": {"a": {"max_workers": 1}}})
+    store = RunStore.create(config)
+    try:
+        for t, epoch, sps in [(0.0, 1, 900.0), (100.0, 2, 10.0), (130.0, 3, 20.0), (150.0, 4, 30.0)]:
+            store.clock = lambda t=t: 1000.0 + t
+            store.progress(epoch, 1.0, sps, 1, epoch * 64)
+        store.event("supervisor_stop", at=1160.0)
+        live = dict(figures.headline_rows(figures.headline(store, 1150.0, live=True)))
+    finally:
+        store.close()
+    label = "samples/s (last minute before the stop)"
+    assert live["samples/s"] == "30"  # a live run: its newest figure
+    assert main(["status", str(config.run_dir())]) == 0
+    assert any(line.split("│")[1:3] and label in line and line.split("│")[2].strip() == "20"
+               for line in capsys.readouterr().out.splitlines())  # (10 + 20 + 30) / 3
+    with DashboardServer(config.run_dir()) as server:
+        summary = json.loads(get(server.url + "api/summary")[1])
+    assert [label, "20"] in summary["rows"] and summary["samples_per_second"] == pytest.approx(20.0)
+    assert summary["samples_per_second_over"] == "last minute before the stop"
+    assert f"<td>{label}</td><td>20</td>" in write_report(config.run_dir(), tmp_path / "report").index.read_text()

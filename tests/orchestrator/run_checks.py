@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -294,3 +295,79 @@ def assert_released(run_dir: Path, harness, wait_for: Callable) -> None:
     wait_for(lambda: harness.alive() == [], 60, "every instance's node to stop")
     assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE ended_at IS NULL") == [(0,)]
     assert harness.errors == []
+
+
+# ---- a clean stop loses nothing ----------------------------------------------------------------------
+LOADED = re.compile(r"loaded state of epoch (\d+) from peers \(parameters ([0-9a-f]+)\)")
+
+
+def last_stop(run_dir: Path) -> dict:
+    """The final checkpoint of the run's last clean stop, as the store recorded it."""
+    stops = query(run_dir, "SELECT time FROM events WHERE kind = 'stopping' ORDER BY time DESC LIMIT 1")
+    assert stops, "the run was never stopped cleanly"
+    found = query(run_dir, "SELECT kind, detail FROM events WHERE kind LIKE 'final_checkpoint%' AND time >= ? "
+                           "ORDER BY time", stops[0][0])
+    assert [kind for kind, _ in found] == ["final_checkpoint"], found
+    return json.loads(found[0][1])
+
+
+def assert_stop_lost_nothing(run_dir: Path) -> tuple[int, str]:
+    """The last clean stop wrote a final checkpoint of the epoch the run stopped at, newer than every
+    periodic one, whose parameters are bit-equal to those its peers stopped with (each peer hashed its
+    own in its process); the newest checkpoint on record, which ``resume`` starts from.  Its epoch and
+    parameter digest."""
+    from orchestrator.supervisor import read_checkpoint
+    from workers.state import params_digest
+
+    stop = last_stop(run_dir)
+    epoch, path = stop["epoch"], Path(stop["path"])
+    assert stop["written"] and epoch > 0
+    assert epoch == query(run_dir, "SELECT MAX(epoch) FROM progress")[0][0]  # the epoch the run stopped at
+    periodic = [json.loads(d)["epoch"] for (d,) in query(run_dir, "SELECT detail FROM events WHERE kind = "
+                                                                  "'checkpoint'") if "final" not in json.loads(d)]
+    assert all(e <= epoch for e in periodic)
+    file_epoch, state = read_checkpoint(path)
+    digest = params_digest(state["params"])
+    at_stop = [peer for peer in stop["peers"].values() if peer["epoch"] == epoch]
+    assert file_epoch == epoch and at_stop, stop
+    assert all(peer["params"] == digest and peer["settled"] for peer in at_stop), (digest, stop)
+    assert query(run_dir, "SELECT epoch, path FROM checkpoints ORDER BY epoch DESC, time DESC LIMIT 1") == \
+        [(epoch, str(path))]
+    return epoch, digest
+
+
+def loaded_states(run_dir: Path, instance_ids: list[str]) -> dict[str, tuple[int, str]]:
+    """The state each instance's worker loaded first (epoch, parameter digest), from its log in the run
+    directory; instances that loaded none are left out."""
+    out = {}
+    for instance_id in instance_ids:
+        log = run_dir / "logs" / f"{instance_id}.log"
+        found = LOADED.search(log.read_text()) if log.exists() else None
+        if found:
+            out[instance_id] = (int(found.group(1)), found.group(2))
+    return out
+
+
+def instances_since(run_dir: Path, since: float) -> list[str]:
+    return [i for (i,) in query(run_dir, "SELECT id FROM instances WHERE launched_at >= ? ORDER BY id", since)]
+
+
+def assert_resumed_from(run_dir: Path, since: float, epoch: int, digest: str) -> None:
+    """The run resumed at ``since`` started from exactly ``epoch`` with these parameters: its
+    supervisor served that checkpoint, the first of its workers loaded that very state (bit-equal
+    parameters), none loaded an older one, and no epoch before it was recorded again."""
+    start = json.loads(query(run_dir, "SELECT detail FROM events WHERE kind = 'supervisor_start' AND time >= ? "
+                                      "ORDER BY time LIMIT 1", since)[0][0])
+    assert start["resumed_epoch"] == epoch
+    loaded = loaded_states(run_dir, instances_since(run_dir, since))
+    assert loaded, "no worker of the resumed run loaded a state"
+    assert min(loaded.values()) == (epoch, digest), loaded
+    (earliest,), = query(run_dir, "SELECT MIN(epoch) FROM progress WHERE time >= ?", since)
+    assert earliest is None or earliest >= epoch
+
+
+def resumed_at(run_dir: Path) -> float:
+    """When the run was last resumed (its store's clock)."""
+    rows = query(run_dir, "SELECT MAX(time) FROM events WHERE kind = 'resume'")
+    assert rows[0][0] is not None, "the run was never resumed"
+    return rows[0][0]

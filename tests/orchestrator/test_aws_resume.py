@@ -1,6 +1,8 @@
 """Losing the head of an AWS run: the head machine and every instance's node are killed at once
 (SIGKILL), and `spotswarm resume CONFIG` on a brand-new head with an empty run directory restores
-the run from S3 (moto), retires the old fleet and continues from the newest checkpoint."""
+the run from S3 (moto), retires the old fleet and continues from the newest checkpoint.  Then that
+head's run is stopped cleanly (`down`), and a third head restores it from S3 and carries on from the
+very epoch and parameters it stopped with."""
 
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ pytest.importorskip("ray")
 boto3 = pytest.importorskip("boto3")
 
 pytestmark = pytest.mark.heavy
+
+from tests.orchestrator.run_checks import (  # noqa: E402
+    assert_resumed_from,
+    assert_stop_lost_nothing,
+    instances_since,
+    loaded_states,
+)
+from tests.orchestrator.run_checks import resumed_at as last_resumed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT_EVERY_S = 4.0
@@ -62,7 +72,7 @@ def tagged_running(endpoint: str) -> list[str]:
     return sorted(i["InstanceId"] for r in found["Reservations"] for i in r["Instances"])
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harness, ray_heads, wait_for):
     boto3.client("s3", endpoint_url=aws).create_bucket(Bucket="spotswarm-runs")
     cli = [sys.executable, "-m", "orchestrator.cli"]
@@ -71,10 +81,10 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
     old_db, new_db = old_dir / "runs" / "aws-demo" / "run.sqlite", new_dir / "runs" / "aws-demo" / "run.sqlite"
     # the new head machine boots while the old one runs the fleet: it holds nothing of the run until
     # `resume` (its own Ray, its own token, an empty run directory)
-    booting = ThreadPoolExecutor(max_workers=1)
+    booting, booting_third = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
     new_head_boot = booting.submit(ray_heads, "awsB")
     booting.shutdown(wait=False)
-    up = resume = None
+    up = resume = third = third_head_boot = None
     try:
         old_head = ray_heads("awsA")
         with open(tmp_path / "up.out", "w") as out:
@@ -119,6 +129,8 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
         output = (tmp_path / "resume.out").read_text()
         assert f"at checkpoint epoch {checkpoint_epoch}" in output
 
+        third_head_boot = booting_third.submit(ray_heads, "awsC")  # the machine after next boots meanwhile
+        booting_third.shutdown(wait=False)
         down = subprocess.run([*cli, "down", str(new_config)], cwd=new_dir, env=new_head.env, capture_output=True,
                               text=True, timeout=240)
         assert down.returncode == 0, down.stdout + down.stderr
@@ -126,9 +138,37 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
         assert resume.wait(timeout=120) == 0, (tmp_path / "resume.out").read_text()[-3000:]
         assert rows(new_db, "SELECT id FROM instances WHERE ended_at IS NULL") == []
         assert tagged_running(aws) == []  # every instance of the run terminated
+
+        # the clean stop lost nothing: its final checkpoint, archived, is where a third head carries on
+        stopped_epoch, digest = assert_stop_lost_nothing(new_db.parent)
+        archived = boto3.client("s3", endpoint_url=aws).list_objects_v2(Bucket="spotswarm-runs",
+                                                                        Prefix="aws-demo/checkpoints/")
+        assert f"aws-demo/checkpoints/epoch-{stopped_epoch:06d}.pt" in [o["Key"] for o in archived["Contents"]]
+        third_dir = tmp_path / "third-head"
+        third_config, third_run = run_config(third_dir, aws), third_dir / "runs" / "aws-demo"
+        third_head = third_head_boot.result(timeout=120)
+        with open(tmp_path / "third.out", "w") as out:
+            third = subprocess.Popen([*cli, "resume", str(third_config), "--address", third_head.address],
+                                     cwd=third_dir, env=third_head.env, stdout=out, stderr=subprocess.STDOUT)
+        (stopped_at,), = rows(new_db, "SELECT MAX(time) FROM events WHERE kind = 'supervisor_stop'")
+        # the restored history holds the second head's resume too: the third's is the one after the stop
+        wait_for(lambda: rows(third_run / "run.sqlite", "SELECT 1 FROM events WHERE kind = 'resume' AND time > ?",
+                              stopped_at), 120, "the third head to restore the run")
+        since = last_resumed(third_run)
+        wait_for(lambda: len(loaded_states(third_run, instances_since(third_run, since))) == FLEET, 240,
+                 "the third head's fleet to load the run's state")
+        assert f"at checkpoint epoch {stopped_epoch}\n" in (tmp_path / "third.out").read_text()
+        assert_resumed_from(third_run, since, stopped_epoch, digest)
+        down = subprocess.run([*cli, "down", str(third_config)], cwd=third_dir, env=third_head.env,
+                              capture_output=True, text=True, timeout=240)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert third.wait(timeout=120) == 0, (tmp_path / "third.out").read_text()[-3000:]
+        assert tagged_running(aws) == []
     finally:
         new_head_boot.exception(timeout=120)  # started, so that the fixture stops it
-        for process in (up, resume):
+        if third_head_boot is not None:
+            third_head_boot.exception(timeout=120)
+        for process in (up, resume, third):
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait(timeout=30)

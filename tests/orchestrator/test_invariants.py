@@ -20,7 +20,10 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    return fill_run(tmp_path / "runs")
+    run = fill_run(tmp_path / "runs")
+    (run / "logs").mkdir()
+    (run / "logs" / "supervisor.log").write_text("2026-11-28 10:00:00,000 INFO orchestrator.supervisor: fine\n")
+    return run
 
 
 def test_a_consistent_run_passes(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
@@ -29,7 +32,7 @@ def test_a_consistent_run_passes(run_dir: Path, capsys: pytest.CaptureFixture) -
     out = capsys.readouterr().out
     # new epochs at 600, 1800, 3000, 4500 and 6000 s: the longest wait is 1500 s
     assert out == (f"{run_dir}: ok (stopped; 1 checkpoint(s) load; longest wait for an epoch 1500.0 s; "
-                   "0 log file(s) scanned)\n")
+                   "1 log file(s) scanned)\n")
 
 
 def test_a_stall_past_the_bound_is_named(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
@@ -114,3 +117,25 @@ def test_the_time_no_supervisor_ran_is_no_stall(run_dir: Path) -> None:
     db.commit()
     db.close()
     assert check_run(run_dir, stopped=True).max_stall_s == 1500.0
+
+
+def test_a_missing_log_fails_the_check_instead_of_an_empty_scan(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """The supervisor's log is expected of every run, and on the local provider the worker's log of
+    every instance that trained; the rotated ones are scanned too."""
+    (run_dir / "logs" / "supervisor.log").unlink()
+    db = sqlite3.connect(run_dir / "run.sqlite")
+    db.execute("INSERT INTO events VALUES (?, 'first_step', 'i6', '{\"epoch\": 21}')", (T0 + 7100,))
+    db.commit()
+    db.close()
+    assert main(["check", str(run_dir)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [f"logs: {run_dir / 'logs' / 'supervisor.log'} missing (expected for supervisor)",
+                       f"logs: {run_dir / 'logs' / 'i6.log'} missing (expected for i6)"]
+    assert out[2].endswith("0 log file(s) scanned)")
+    (run_dir / "logs" / "supervisor.log.1").write_text("rotated\n")
+    (run_dir / "logs" / "i6.log").write_text("INFO fine\n")
+    (run_dir / "logs" / "i6.log.2").write_text("an old part\nTraceback (most recent call last):\n")
+    result = check_run(run_dir, stopped=True)
+    assert [(v.invariant, v.detail) for v in result.violations] == [
+        ("tracebacks", f"{run_dir / 'logs' / 'i6.log.2'}:2: Traceback (most recent call last):")]
+    assert result.logs == 3

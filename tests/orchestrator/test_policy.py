@@ -444,6 +444,9 @@ def test_total_budget_releases_everything_before_it_is_exceeded(make_rig: Callab
     policy = rig.policy
     tick_s = 70.0  # not a divisor of the time to the cap: the last step would overshoot it
     policy.spend_margin_s = 3 * tick_s  # as the supervisor sets it: a few ticks of spending in reserve
+    before_release: list[tuple[float, list[str], float]] = []  # the supervisor's final checkpoint goes here
+    policy.before_release = lambda left_s: before_release.append(
+        (left_s, sorted(policy.live), summarize_costs(rig.store, rig.clock()).dollars))
     settle(policy)
     fleet = ids(rig)
     assert len(fleet) == 2
@@ -462,6 +465,9 @@ def test_total_budget_releases_everything_before_it_is_exceeded(make_rig: Callab
     assert [(r.end_reason, r.ended_at) for r in records] == [("budget", rig.clock())] * 2
     assert len(rig.store.events("budget_exhausted")) == 1
     assert summarize_costs(rig.store, rig.clock()).dollars <= 1.0
+    # before anything was released, with the seconds the budget had left at the fleet's rate of 2 $/h
+    ((left_s, live, spent),) = before_release
+    assert live == sorted(fleet) and left_s == pytest.approx((1.0 - spent) / 2.0 * 3600 / 2)  # half: for the release
 
     rig.clock.advance(3600)
     settle(policy)
