@@ -257,10 +257,11 @@ def read_log(path: Path) -> list[dict]:
 
 def global_steps(records: list[dict]) -> list[tuple[float, int, float]]:
     """(time, step, loss) per step of the whole fleet: a step's first report, with the mean loss of the
-    workers that reported it (one report a step for Ray Train, one per replica for torchft)."""
+    workers that took part in it (one report a step for Ray Train; one per replica for torchft, where a
+    replica still healing reports the loss of the model it had before the recovery)."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for r in records:
-        if r["kind"] == "step" and r.get("committed", True):
+        if r["kind"] == "step" and r.get("committed", True) and r.get("participating", True):
             by_step[r["step"]].append(r)
     return sorted((min(r["t"] for r in rs), step, statistics.fmean(r["loss"] for r in rs))
                   for step, rs in by_step.items())
