@@ -9,7 +9,8 @@ import pydantic
 
 from p2p.devices import DeviceName
 
-BUILTIN_TASK_NAMES = ("synthetic", "charlm", "moe-charlm")  # workers.task.BUILTIN_TASKS makes them (a test keeps both equal)
+# workers.task.BUILTIN_TASKS makes them (tests/workers/test_rival_task.py keeps both equal)
+BUILTIN_TASK_NAMES = ("synthetic", "charlm", "moe-charlm")
 
 
 class WorkerConfig(pydantic.BaseModel):
