@@ -2,7 +2,7 @@
 
 Runs ONLY with the reference library's separate virtualenv (``.bench-venv/bin/python``, made by
 ``make bench-env``); it imports nothing from this project.  It trains the same task as
-``python -m orchestrator.cli worker --task synthetic``: regression onto a fixed random teacher
+``python -m orchestrator.cli.main worker --task synthetic``: regression onto a fixed random teacher
 (seeded 1234; 32 -> 64 tanh -> 1), batches of 32 drawn from a generator seeded with ``--seed``,
 the same initial weights (``torch.manual_seed(0)``), Adam lr 3e-3, with ``hivemind.Optimizer``
 (synchronous: ``use_local_updates=False``) accumulating ``--target-batch-size`` samples per epoch.

@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- ours: a supervisor in a child process -----------------------------------------------------
 def ours_config(base: Path, args: argparse.Namespace, trace_file: Path | None) -> Any:
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.schema import ClusterConfig
 
     # no warm image: every worker imports torch for itself, as the rivals' (re)started workers do
     provider: dict[str, Any] = {"type": "local", "zones": ["a"], "time_scale": TIME_SCALE,
@@ -120,9 +120,9 @@ def write_trace_csv(path: Path, lifetimes: list[float], notice_s: float) -> None
 
 def ours_child(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    from orchestrator.cluster import start_ray
-    from orchestrator.run_store import RunStore
-    from orchestrator.supervisor import SupervisorCore
+    from orchestrator.fleet.ray_session import start_ray
+    from orchestrator.fleet.supervisor import SupervisorCore
+    from orchestrator.runs.store import RunStore
 
     base = Path(tempfile.mkdtemp(prefix="bench-vs-rival-"))
     trace_file = None

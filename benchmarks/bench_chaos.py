@@ -37,8 +37,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import ROOT, Child, fmt, print_json, print_table  # noqa: E402
-from orchestrator.chaos_kinds import FAULT_KINDS as KINDS  # noqa: E402
-from orchestrator.chaos_kinds import PHASES, REPORT  # noqa: E402
+from orchestrator.runs.chaos_report import FAULT_KINDS as KINDS  # noqa: E402
+from orchestrator.runs.chaos_report import PHASES, REPORT  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "cluster_configs", "local-chaos.yaml")
 SPOTSWARM = os.path.join(os.path.dirname(sys.executable), "spotswarm")

@@ -115,9 +115,9 @@ def cpu_seconds(core: Any) -> dict[str, float]:
 def one_run(base: Path, name: str, window_s: float, lifetime_s: float | None, notice_s: float,
             target_batch: int, seed: int) -> dict:
     """One run under a supervisor in this process: its figures over ``window_s`` real seconds."""
-    from orchestrator.config import ClusterConfig
-    from orchestrator.run_store import RunStore
-    from orchestrator.supervisor import SupervisorCore
+    from orchestrator.config.schema import ClusterConfig
+    from orchestrator.fleet.supervisor import SupervisorCore
+    from orchestrator.runs.store import RunStore
 
     config = ClusterConfig.model_validate(config_data(base, name, lifetime_s, notice_s, target_batch, seed))
     RunStore.create(config).close()
@@ -168,7 +168,7 @@ def psutil_cpus() -> int | None:
 
 def child(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    from orchestrator.cluster import start_ray
+    from orchestrator.fleet.ray_session import start_ray
 
     base = Path(args.keep or tempfile.mkdtemp(prefix="bench-moe-run-"))
     start_ray()

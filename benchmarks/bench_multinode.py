@@ -297,7 +297,7 @@ def enter_fleet(stack: contextlib.ExitStack, n: int) -> _netns.NetnsFleet:
 
 
 def make_config(mode: str, base: Path, args: argparse.Namespace, namespaces: list[str]) -> Any:
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.schema import ClusterConfig
 
     trace = base / "trace.csv"
     notice_after = max(args.kill_after_s - args.notice_s, 0.0)
@@ -331,7 +331,7 @@ class Observed:
     shared_ip: list[str] = field(default_factory=list)  # live instances seen sharing one node IP
 
     def poll(self, core: Any, ray: Any) -> None:
-        from orchestrator.ray_workers import worker_actor_name
+        from orchestrator.instance.actor import worker_actor_name
 
         todo = [i for i, inst in list(core.live.items()) if inst.tags.get("peer_id") and i not in self.workers]
         if not todo:
@@ -484,7 +484,7 @@ class ModeRun:
         t = time.monotonic()
         head = start_head(fleet.head_ip, self.base / "h", self.manifest)
         self.at_exit("head_stop", head.stop)
-        import orchestrator.supervisor  # noqa: F401 - torch and Ray load while the head starts
+        import orchestrator.fleet.supervisor  # noqa: F401 - torch and Ray load while the head starts
 
         head.wait_ready(self.args.head_timeout_s)
         self.result["head_start_s"] = time.monotonic() - t
@@ -517,8 +517,8 @@ class ModeRun:
 
     def make_supervisor(self, namespaces: list[str]) -> Any:
         """The supervisor of this mode's fleet (not started), stopped within the budget at the end."""
-        from orchestrator.run_store import RunStore
-        from orchestrator.supervisor import SupervisorCore
+        from orchestrator.fleet.supervisor import SupervisorCore
+        from orchestrator.runs.store import RunStore
 
         args = self.args
         config = make_config(self.mode, self.base, args, namespaces)

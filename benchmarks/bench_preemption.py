@@ -82,7 +82,7 @@ sys.path.insert(0, HERE)
 
 from _common import WarningCounter, fmt, print_json, print_table, retry  # noqa: E402
 
-from orchestrator.providers.local import launch_rng  # noqa: E402
+from orchestrator.sim.actors import launch_rng  # noqa: E402
 
 ON_DEMAND = 1.00  # $/h per instance
 SPOT_RATIO = 0.3
@@ -129,7 +129,7 @@ class Run:
 # ---- configs -----------------------------------------------------------------------------------
 def make_config(name: str, args: argparse.Namespace, seed: int, mean_lifetime_s: float | None,
                 checkpoint_s: float):
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.schema import ClusterConfig
 
     preemption = ({"distribution": "none"} if mean_lifetime_s is None
                   else {"distribution": "exponential", "mean_lifetime_s": mean_lifetime_s})
@@ -163,8 +163,8 @@ def run_one(run: Run, config, base: Path, args: argparse.Namespace, window_real_
             max_window_real_s: float | None = None) -> None:
     """One supervisor run; the window lasts ``window_real_s``, or longer (up to ``max_window_real_s``)
     until ``min_epochs`` epochs are done."""
-    from orchestrator.run_store import RunStore
-    from orchestrator.supervisor import SupervisorCore
+    from orchestrator.fleet.supervisor import SupervisorCore
+    from orchestrator.runs.store import RunStore
 
     started = time.monotonic()
     RunStore.create(config, base).close()

@@ -1,7 +1,7 @@
 """Training benchmark: seconds per global epoch of collaborative training, and its scaling with peers.
 
 Every peer is a separate process started with the ``worker`` command
-(``python -m orchestrator.cli worker --task synthetic --target-batch-size 128 --min-peers N
+(``python -m orchestrator.cli.main worker --task synthetic --target-batch-size 128 --min-peers N
 --max-epochs E --report-file F --seed i [--initial-peers ADDR]``); the first one bootstraps the
 others.  Every peer appends one JSON line per global epoch to its report file (epoch, loss,
 samples_per_second, peers, params digest, time); all figures come from those files:
@@ -192,7 +192,7 @@ def peer_argv(impl: str, i: int, n: int, run_id: str, report: str, initial: str 
               max_seconds: float, opts: dict) -> list[str]:
     """One peer's command line; ``opts``: ours' device, or hivemind's matchmaking and averaging timeouts."""
     if impl == "ours":
-        argv = [sys.executable, "-m", "orchestrator.cli", "worker", "--run", run_id, "--task", TASK,
+        argv = [sys.executable, "-m", "orchestrator.cli.main", "worker", "--run", run_id, "--task", TASK,
                 "--target-batch-size", str(TARGET_BATCH), "--min-peers", str(n), "--max-epochs", str(max_epochs),
                 "--max-seconds", str(max_seconds), "--seed", str(i), "--report-file", report,
                 "--device", opts["device"]]

@@ -130,7 +130,7 @@ def ray_session(request, shared_ray_head):
     of the module before it are marked dead (some had their power cut), so that none of its actors
     lands on one.  Ray is imported only by modules that use it."""
     ray = pytest.importorskip("ray")
-    from orchestrator.cluster import start_ray
+    from orchestrator.fleet.ray_session import start_ray
 
     shared_ray_head.alive()
     start_ray(shared_ray_head.address, namespace=f"spotswarm-{request.module.__name__.rsplit('.', 1)[-1]}")

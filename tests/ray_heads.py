@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.bootstrap import ray_auth_token
+from orchestrator.providers.bootstrap import ray_auth_token
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,9 @@ import logging
 import time
 from typing import Any
 
-from ..config import ClusterConfig
-from .base import (
-    RUN_TAG,
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.config.tags import RUN_TAG
+from orchestrator.providers.base import (
     CapacityError,
     Instance,
     LaunchSpec,
@@ -29,7 +29,7 @@ from .base import (
     Transient,
     retry_transient,
 )
-from .cloud import CloudProvider, Machine
+from orchestrator.providers.cloud import CloudProvider, Machine
 
 logger = logging.getLogger(__name__)
 

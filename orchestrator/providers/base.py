@@ -18,10 +18,6 @@ import tenacity
 
 T = TypeVar("T")
 
-RUN_TAG = "spotswarm-run"
-INSTANCE_TAG = "spotswarm-instance"
-NODE_TYPE_TAG = "spotswarm-node-type"
-
 
 def instance_resource(instance_id: str) -> str:
     """The Ray resource a machine advertises, so that its worker actor is placed on it."""

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ClusterConfig
-from .base import INSTANCE_TAG, NODE_TYPE_TAG, Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.config.tags import INSTANCE_TAG, NODE_TYPE_TAG
+from orchestrator.providers.base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from ..config import ClusterConfig
-from .base import (
-    RUN_TAG,
+from orchestrator.config.gcp import STARTUP_SCRIPT, TAGS_ITEM, canonical
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.config.tags import RUN_TAG
+from orchestrator.providers.base import (
     CapacityError,
     Instance,
     LaunchSpec,
@@ -40,8 +41,7 @@ from .base import (
     Transient,
     retry_transient,
 )
-from .cloud import CloudProvider, Machine
-from .gcp_config import STARTUP_SCRIPT, TAGS_ITEM, canonical
+from orchestrator.providers.cloud import CloudProvider, Machine
 
 logger = logging.getLogger(__name__)
 

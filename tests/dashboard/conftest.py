@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ClusterConfig
-from orchestrator.run_store import InstanceRecord, RunStore
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.runs.store import InstanceRecord, RunStore
 
 T0 = 1_000_000.0
 CONFIG = {

@@ -13,10 +13,10 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("playwright.sync_api")
 
 
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.dashboard import DashboardServer  # noqa: E402
-from orchestrator.run_store import RunStore  # noqa: E402
-from orchestrator.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.fleet.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.runs.store import RunStore  # noqa: E402
+from orchestrator.ui.dashboard import DashboardServer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]
 

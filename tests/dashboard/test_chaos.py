@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.dashboard import DashboardServer
+from orchestrator.ui.dashboard import DashboardServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("playwright.sync_api")
 
-from orchestrator.dashboard import DashboardServer  # noqa: E402
+from orchestrator.ui.dashboard import DashboardServer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.heavy]
 

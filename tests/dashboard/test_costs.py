@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import figures
-from orchestrator.cli import main
-from orchestrator.run_store import InstanceRecord, RunStore
+from orchestrator.cli.main import main
+from orchestrator.runs import figures
+from orchestrator.runs.store import InstanceRecord, RunStore
 
 T0 = 1_000_000.0
 

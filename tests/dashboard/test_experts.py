@@ -8,10 +8,10 @@ import urllib.request
 
 import pytest
 
-from orchestrator import figures
-from orchestrator.config import ClusterConfig
-from orchestrator.dashboard import DashboardServer
-from orchestrator.run_store import RunStore
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.runs import figures
+from orchestrator.runs.store import RunStore
+from orchestrator.ui.dashboard import DashboardServer
 
 pytestmark = pytest.mark.timeout(60)
 

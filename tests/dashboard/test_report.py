@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from orchestrator.cli import main
-from orchestrator.report import write_report
+from orchestrator.cli.main import main
+from orchestrator.ui.report import write_report
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator import figures
-from orchestrator.dashboard import DashboardServer
-from orchestrator.run_store import RunStore
+from orchestrator.runs import figures
+from orchestrator.runs.store import RunStore
+from orchestrator.ui.dashboard import DashboardServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,8 +145,8 @@ def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
 
 def test_dashboard_command_serves_until_interrupted_and_exits_cleanly(hand_run):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "dashboard", str(hand_run.dir), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    command = [sys.executable, "-m", "orchestrator.cli.main", "dashboard", str(hand_run.dir), "--port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # blocks until the server is up and has printed its address
         url = re.search(r"http://\S+/", line).group(0)
@@ -163,9 +163,9 @@ def test_dashboard_command_serves_until_interrupted_and_exits_cleanly(hand_run):
 def test_a_stopped_runs_throughput_is_its_last_minute_labelled_so(tmp_path, capsys):
     """A stopped run shows no live figure: samples/s is the mean over the last minute of the run's clock
     before the stop, labelled so, alike in `status`, the page's API and the report."""
-    from orchestrator.cli import main
-    from orchestrator.config import ClusterConfig
-    from orchestrator.report import write_report
+    from orchestrator.cli.main import main
+    from orchestrator.config.schema import ClusterConfig
+    from orchestrator.ui.report import write_report
 
     config = ClusterConfig.model_validate({"cluster_name": "last", "runs_dir": str(tmp_path / "runs"),
                                            "available_node_types": {"a": {"max_workers": 1}}})

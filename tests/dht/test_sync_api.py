@@ -55,7 +55,7 @@ def test_unreachable_initial_peers_are_a_clear_error():
 def test_cli_bootstrap_node_serves_others_and_stops_cleanly(tmp_path):
     key = tmp_path / "boot.pem"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "orchestrator.cli", "dht", "--identity", str(key)]
+    cmd = [sys.executable, "-m", "orchestrator.cli.main", "dht", "--identity", str(key)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         line = proc.stdout.readline()

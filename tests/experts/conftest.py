@@ -24,7 +24,7 @@ class ServerProcess:
 
     def __init__(self, *flags: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "expert-server", *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.main", "expert-server", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
         self.lines: list[str] = []
         self._cond = threading.Condition()

@@ -8,8 +8,8 @@ from pydantic import ValidationError
 
 from experts import BackgroundExpertServer, ExpertBackend, ExpertClient, RemoteExpert, load_experts, save_experts
 from experts.config import ExpertServerConfig, build_backends
-from orchestrator.cli import build_parser
-from orchestrator.expert_server_cli import config_from_args
+from orchestrator.cli.main import build_parser
+from orchestrator.instance.expert_server import config_from_args
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -295,7 +295,7 @@ class MachineHarness:
             self._stop.wait(0.2)
 
     def _boot(self, key: Any, zone: str, instance_id: str, script: str, metadata: Any, env: dict[str, str]) -> None:
-        from orchestrator.providers.local_nodes import boot_detached
+        from orchestrator.sim.nodes import boot_detached
 
         temp_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir="/tmp"))  # short: Ray's socket paths
         env = dict(os.environ, **env, SPOTSWARM_NODE_TMP=str(temp_dir),
@@ -307,7 +307,7 @@ class MachineHarness:
             self.machines[key] = Machine(key, zone, instance_id, metadata, leader, temp_dir, time.time())
 
     def _power_off(self, machine: Machine, sig: int) -> None:
-        from orchestrator.providers.local_nodes import kill_node, node_alive
+        from orchestrator.sim.nodes import kill_node, node_alive
 
         machine.killed_at = machine.killed_at or time.time()
         kill_node(machine.leader, sig)
@@ -340,7 +340,7 @@ class MachineHarness:
             self._power_off(machine, signal.SIGKILL)
 
     def alive(self) -> list[str]:
-        from orchestrator.providers.local_nodes import node_alive
+        from orchestrator.sim.nodes import node_alive
 
         with self._lock:
             return sorted(m.instance_id for m in self.machines.values() if node_alive(m.leader))

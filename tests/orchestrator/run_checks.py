@@ -22,12 +22,12 @@ import pytest
 import yaml
 from hypothesis import strategies as st
 
-from orchestrator.config import ClusterConfig, ConfigError
-from orchestrator.config_checks import load_cluster_config
+from orchestrator.config.checks import load_cluster_config
+from orchestrator.config.schema import ClusterConfig, ConfigError
 
 if TYPE_CHECKING:
-    from orchestrator.policy import FleetPolicy
-    from orchestrator.supervisor import SupervisorCore
+    from orchestrator.fleet.policy import FleetPolicy
+    from orchestrator.fleet.supervisor import SupervisorCore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +98,7 @@ def check_any_node_config(tmp_path_factory: pytest.TempPathFactory, text: str, n
 
 def validate_shipped(capsys: pytest.CaptureFixture, name: str, summary: str) -> ClusterConfig:
     """``spotswarm validate`` on a shipped config: exit 0, its one-line summary, not a warning."""
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     path = ROOT / "cluster_configs" / name
     assert main(["validate", str(path)]) == 0
@@ -150,8 +150,8 @@ def tick_until(policy: FleetPolicy, until: Callable[[FleetPolicy], bool], what: 
 def fleet_policy(config: ClusterConfig, provider_cls: Callable, live: int = 0) -> Iterator[FleetPolicy]:
     """The fleet policy driving the real provider (``provider_cls``) for a new run of ``config``, ticked
     until ``live`` instances are live; after the test every instance is released."""
-    from orchestrator.policy import FleetPolicy
-    from orchestrator.run_store import RunStore
+    from orchestrator.fleet.policy import FleetPolicy
+    from orchestrator.runs.store import RunStore
 
     policy = FleetPolicy(config, provider_cls(config, time.time), time.time, RunStore.create(config),
                          RecordingWorkers(), lambda node_type: {})
@@ -183,8 +183,8 @@ def refusal_stops_the_run(policy: FleetPolicy, launches: Callable[[], int]) -> s
 def supervised(config: ClusterConfig) -> Iterator[tuple[SupervisorCore, Path]]:
     """A new run of ``config`` under a started supervisor, and its directory; stopped after, also
     when the test fails."""
-    from orchestrator.run_store import RunStore
-    from orchestrator.supervisor import SupervisorCore
+    from orchestrator.fleet.supervisor import SupervisorCore
+    from orchestrator.runs.store import RunStore
 
     RunStore.create(config).close()
     run_dir = config.run_dir()
@@ -224,7 +224,7 @@ def history(instance_id: str) -> dict[int, str]:
     """A worker's parameter digest after each of its averaged epochs."""
     import ray
 
-    from orchestrator.ray_workers import worker_actor_name
+    from orchestrator.instance.actor import worker_actor_name
 
     records = ray.get(ray.get_actor(worker_actor_name(instance_id)).history.remote(), timeout=60)
     return {r["epoch"]: r["params"] for r in records}
@@ -316,7 +316,7 @@ def assert_stop_lost_nothing(run_dir: Path) -> tuple[int, str]:
     periodic one, whose parameters are bit-equal to those its peers stopped with (each peer hashed its
     own in its process); the newest checkpoint on record, which ``resume`` starts from.  Its epoch and
     parameter digest."""
-    from orchestrator.supervisor import read_checkpoint
+    from orchestrator.runs.checkpoints import read_checkpoint
     from workers.state import params_digest
 
     stop = last_stop(run_dir)

@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import (
+from orchestrator.config.checks import load_cluster_config
+from orchestrator.config.schema import (
     RAY_LAUNCHER_KEYS,
     ClusterConfig,
     ConfigError,
     NodeType,
     ProviderConfig,
 )
-from orchestrator.config_checks import load_cluster_config
 from tests.orchestrator.run_checks import (
     ANY_JSON,
     check_any_node_config,
@@ -136,7 +136,7 @@ def test_a_ray_launcher_yaml_loads_with_one_warning_per_unused_key(tmp_path):
 
 def test_without_a_list_the_warnings_are_logged(tmp_path, caplog):
     path = write(tmp_path, AWS + "auth: {ssh_user: ubuntu}\n")
-    with caplog.at_level(logging.WARNING, logger="orchestrator.config_checks"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.config.checks"):
         load_cluster_config(path)
     assert [r.getMessage() for r in caplog.records] == [f"{path}:12: auth: {SSH}"]
 
@@ -366,7 +366,7 @@ def test_the_provider_endpoint_url_is_a_url_too(tmp_path):
 
 # ---- the provider, the command line ----------------------------------------------------------
 def test_aws_needs_boto3(monkeypatch):
-    import orchestrator.providers as providers
+    import orchestrator.config.clouds as providers
 
     assert providers.provider_problem("aws") is None
     monkeypatch.setattr(providers, "_boto3_installed", lambda: False)
@@ -382,7 +382,7 @@ def test_validate_the_shipped_aws_config(capsys):
 
 
 def test_validate_prints_warnings_and_exits_0(tmp_path, capsys):
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     path = write(tmp_path, AWS + "auth: {ssh_user: ubuntu}\nsetup_commands: []\n")
     assert main(["validate", str(path)]) == 0

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("boto3")
 
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.config_checks import load_cluster_config  # noqa: E402
+from orchestrator.config.checks import load_cluster_config  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from tests.orchestrator.run_checks import (  # noqa: E402
     assert_peers_agree,
     assert_released,

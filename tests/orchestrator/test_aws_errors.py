@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("boto3")
 
-from orchestrator.cli import main  # noqa: E402
-from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.cli.main import main  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.providers.aws import AwsProvider  # noqa: E402
 from orchestrator.providers.base import LaunchSpec  # noqa: E402
 from tests.orchestrator.run_checks import fleet_policy, refusal_stops_the_run, shipped_yaml  # noqa: E402
@@ -109,7 +109,7 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, moto_with_auth
 def test_down_config_terminates_the_runs_instances_with_no_head_left(tmp_path, aws, capsys):
     """The head and its run directory are gone; the YAML alone finds the fleet by tag."""
     path = shipped_yaml(tmp_path, "aws-spot.yaml", aws)
-    from orchestrator.config_checks import load_cluster_config
+    from orchestrator.config.checks import load_cluster_config
 
     config = load_cluster_config(path, warnings=[])
     provider = AwsProvider(config, time.time)

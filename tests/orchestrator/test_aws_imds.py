@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.notices import ImdsClient, NoticeWatcher
+from orchestrator.instance.notices import ImdsClient, NoticeWatcher
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -75,7 +75,7 @@ def tagged_running(endpoint: str) -> list[str]:
 @pytest.mark.timeout(600)
 def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harness, ray_heads, wait_for):
     boto3.client("s3", endpoint_url=aws).create_bucket(Bucket="spotswarm-runs")
-    cli = [sys.executable, "-m", "orchestrator.cli"]
+    cli = [sys.executable, "-m", "orchestrator.cli.main"]
     old_dir, new_dir = tmp_path / "old-head", tmp_path / "new-head"
     old_config, new_config = run_config(old_dir, aws), run_config(new_dir, aws)
     old_db, new_db = old_dir / "runs" / "aws-demo" / "run.sqlite", new_dir / "runs" / "aws-demo" / "run.sqlite"

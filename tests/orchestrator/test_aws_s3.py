@@ -16,11 +16,11 @@ from rich.console import Console
 boto3 = pytest.importorskip("boto3")
 from botocore.exceptions import ClientError  # noqa: E402
 
-from orchestrator import cluster  # noqa: E402
-from orchestrator.cli import main  # noqa: E402
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.durable import ArchiveError, ArchiveMissing, BackgroundArchiver, RunArchive  # noqa: E402
-from orchestrator.run_store import InstanceRecord, RunStore  # noqa: E402
+from orchestrator.cli import cluster  # noqa: E402
+from orchestrator.cli.main import main  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.runs.durable import ArchiveError, ArchiveMissing, BackgroundArchiver, RunArchive  # noqa: E402
+from orchestrator.runs.store import InstanceRecord, RunStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -267,7 +267,7 @@ def test_uploads_run_in_the_background_and_a_failure_is_retried_at_the_next_chec
     archive.release.clear()
     archiver = BackgroundArchiver(archive, tmp_path)  # type: ignore[arg-type]
     try:
-        with caplog.at_level(logging.WARNING, logger="orchestrator.durable"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.runs.durable"):
             archiver.submit(first)  # returns while the upload is held: the tick never waits on S3
             assert archive.entered.wait(10) and archive.uploads == []
             archive.release.set()

@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("ray")
 
-from orchestrator import chaos_disk  # noqa: E402
-from orchestrator.chaos import REPORT, ChaosError, ChaosRun, ChaosSettings, plan  # noqa: E402
-from orchestrator.chaos_kinds import FAULT_KINDS  # noqa: E402
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.invariants import check_leaks  # noqa: E402
+from orchestrator.chaos import disk as chaos_disk  # noqa: E402
+from orchestrator.chaos.runner import REPORT, ChaosError, ChaosRun, ChaosSettings, plan  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.runs.chaos_report import FAULT_KINDS  # noqa: E402
+from orchestrator.runs.invariants import check_leaks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
 
@@ -91,7 +91,7 @@ def test_the_chaos_command_refuses_what_it_cannot_run_and_starts_nothing(tmp_pat
     nodes = chaos_config(tmp_path).model_dump(mode="json", exclude_defaults=True)
     path = tmp_path / "actors.yaml"
     path.write_text(yaml.safe_dump({**nodes, "provider": {**nodes["provider"], "mode": "actors"}}))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "chaos", str(path), "--duration", "5"],
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "chaos", str(path), "--duration", "5"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "needs the local provider in nodes mode" in proc.stderr
     scaled = chaos_config(tmp_path).model_copy(update={"provider": chaos_config(tmp_path).provider.model_copy(

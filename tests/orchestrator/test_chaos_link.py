@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from orchestrator.chaos_faults import FaultSkipped, Node, slow_link
+from orchestrator.chaos.faults import FaultSkipped, Node, slow_link
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),

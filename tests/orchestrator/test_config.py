@@ -11,8 +11,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import ClusterConfig, ConfigError
-from orchestrator.config_checks import load_cluster_config
+from orchestrator.config.checks import load_cluster_config
+from orchestrator.config.schema import ClusterConfig, ConfigError
 from tests.orchestrator.run_checks import errors_of, write
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,8 +33,8 @@ training:
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
 
 
 def shipped_provider(path: Path) -> str:
@@ -84,7 +84,7 @@ def test_invalid_yaml_and_contradictions(tmp_path):
 
 def test_up_with_an_invalid_config_starts_nothing(tmp_path):
     path = write(tmp_path, GOOD.replace("task: synthetic", "taks: synthetic"))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", str(path)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "up", str(path)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.returncode == 2
     assert "training.taks: unknown key; did you mean 'task'?" in proc.stderr
@@ -241,7 +241,7 @@ def test_a_bad_local_node_config_key_names_the_key_and_line(tmp_path, node_confi
 
 
 def test_node_config_is_the_cloud_providers_business():
-    from orchestrator.providers import node_config_problems, provider_problem
+    from orchestrator.config.clouds import node_config_problems, provider_problem
 
     assert node_config_problems("aws", "gpu", {"InstanceType": "g5.xlarge", "SubnetId": "s-1"}) == []
     assert node_config_problems("gcp", "t4", {"machineType": "n1-standard-4"}) == []
@@ -279,8 +279,8 @@ def test_a_bad_bandwidth_names_the_node_type_and_the_field(tmp_path, value):
 
 
 def test_group_size_is_a_worker_flag():
-    from orchestrator.cli import build_parser
-    from orchestrator.worker_cli import FLAGS
+    from orchestrator.cli.main import build_parser
+    from orchestrator.instance.worker import FLAGS
 
     args = build_parser().parse_args(["worker", "--group-size", "5"])
     assert FLAGS.load(None, vars(args)).group_size == 5
@@ -300,7 +300,7 @@ def test_a_collaborative_fleet_larger_than_a_group_is_an_error(tmp_path):
 # ---- the command line: validate, bootstrap-script, --address ---------------------------------
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_validate_every_shipped_config(path, capsys):
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     code = main(["validate", str(path)])  # in-process: the command's own process is tested below
     out, err = capsys.readouterr()
@@ -329,7 +329,7 @@ def test_validate_reports_every_error_and_starts_nothing(tmp_path):
 def test_validate_imports_neither_ray_nor_torch(tmp_path):
     """Checking a config answers in well under a second: torch's import alone is ~2 s here."""
     path = write(tmp_path, GOOD)
-    code = ("import sys; from orchestrator.cli import main; rc = main(['validate', sys.argv[1]]); "
+    code = ("import sys; from orchestrator.cli.main import main; rc = main(['validate', sys.argv[1]]); "
             "print('rc', rc, 'ray' in sys.modules, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
@@ -337,7 +337,7 @@ def test_validate_imports_neither_ray_nor_torch(tmp_path):
 
 
 def test_a_worker_with_an_invalid_config_says_so_before_importing_torch(tmp_path):
-    code = ("import sys; from orchestrator.cli import main; rc = main(['worker', '--max-seconds', '-1']); "
+    code = ("import sys; from orchestrator.cli.main import main; rc = main(['worker', '--max-seconds', '-1']); "
             "print('rc', rc, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
@@ -346,7 +346,7 @@ def test_a_worker_with_an_invalid_config_says_so_before_importing_torch(tmp_path
 
 
 def test_bootstrap_script_of_an_unknown_node_type_lists_the_known_ones(capsys):
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     assert main(["bootstrap-script", str(ROOT / "cluster_configs" / "local-large.yaml"), "gpu"]) == 2
     err = capsys.readouterr().err
@@ -354,7 +354,7 @@ def test_bootstrap_script_of_an_unknown_node_type_lists_the_known_ones(capsys):
 
 
 def test_bootstrap_script_of_an_invalid_config_says_why(tmp_path, capsys):
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     path = write(tmp_path, GOOD.replace("min_workers: 1", "min_workers: plenty"))
     assert main(["bootstrap-script", str(path), "small"]) == 2
@@ -365,8 +365,8 @@ def test_bootstrap_script_of_an_invalid_config_says_why(tmp_path, capsys):
 
 
 def test_bootstrap_script_prints_placeholders_unless_told(capsys):
-    pytest.importorskip("orchestrator.bootstrap")
-    from orchestrator.cli import main
+    pytest.importorskip("orchestrator.providers.bootstrap")
+    from orchestrator.cli.main import main
 
     local = str(ROOT / "cluster_configs" / "local.yaml")
     assert main(["bootstrap-script", local, "cpu-small"]) == 0
@@ -383,7 +383,7 @@ def test_bootstrap_script_prints_placeholders_unless_told(capsys):
     (["bootstrap-script", "c.yaml", "t", "--head", "auto"], "argument --head: 'auto' finds a cluster from inside it"),
 ])
 def test_a_bad_address_flag_is_a_usage_error(capsys, argv, message):
-    from orchestrator.cli import build_parser
+    from orchestrator.cli.main import build_parser
 
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
@@ -392,7 +392,7 @@ def test_a_bad_address_flag_is_a_usage_error(capsys, argv, message):
 
 
 def test_the_address_flag_is_parsed_and_overrides_ray_address(tmp_path):
-    from orchestrator.cli import build_parser
+    from orchestrator.cli.main import build_parser
 
     assert build_parser().parse_args(["up", "c.yaml", "--address", "auto"]).address == "auto"
     assert build_parser().parse_args(["resume", "runs/x"]).address is None

@@ -16,10 +16,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.cli import build_parser
-from orchestrator.config_loader import ConfigError, ModelFlags
-from orchestrator.expert_server_cli import FLAGS as SERVER_FLAGS
-from orchestrator.worker_cli import FLAGS as WORKER_FLAGS
+from orchestrator.cli.main import build_parser
+from orchestrator.config.loader import ConfigError, ModelFlags
+from orchestrator.instance.expert_server import FLAGS as SERVER_FLAGS
+from orchestrator.instance.worker import FLAGS as WORKER_FLAGS
 from workers.peer import WorkerConfig
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,7 +131,7 @@ def test_the_commands_print_every_problem_and_exit_2(tmp_path, argv, lines):
     path = tmp_path / "settings.yaml"
     path.write_text("run: test\ngroup_sise: 4\n")
     argv = [a.replace("{path}", str(path)) for a in argv]
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], cwd=tmp_path, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *argv], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.returncode == 2, proc.stderr
     assert sorted(proc.stderr.splitlines()) == sorted([f"spotswarm {argv[0]}: invalid config, nothing started:",
@@ -139,7 +139,7 @@ def test_the_commands_print_every_problem_and_exit_2(tmp_path, argv, lines):
 
 
 def test_building_the_parser_does_not_import_the_models():
-    code = "import sys; from orchestrator.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    code = "import sys; from orchestrator.cli.main import build_parser; build_parser(); print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.stdout.strip() == "False", proc.stderr
@@ -180,7 +180,7 @@ def _alias_bomb(levels: int) -> str:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("reader", ["cluster", "worker"])
 def test_aliases_that_explode_or_recurse_are_config_errors_not_hangs(tmp_path, reader):
-    from orchestrator.config_checks import load_cluster_config
+    from orchestrator.config.checks import load_cluster_config
 
     def load(text: str) -> None:
         path = tmp_path / "settings.yaml"

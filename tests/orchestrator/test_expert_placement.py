@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import ClusterConfig
-from orchestrator.expert_placement import plan_placement
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.fleet.placement import plan_placement
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +112,7 @@ def test_a_moe_config_that_cannot_run_is_refused_naming_why(change, message):
 
 
 def test_collaborative_group_size_counts_trainers_only():
-    from orchestrator.config_checks import config_problems
+    from orchestrator.config.checks import config_problems
 
     data = moe_cluster()
     data["training"] = {"task": "moe-charlm", "group_size": 2}

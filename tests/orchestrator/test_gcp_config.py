@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("google.cloud.compute_v1")
 
-from orchestrator.providers.gcp_config import instance_fields  # noqa: E402
+from orchestrator.config.gcp import instance_fields  # noqa: E402
 from tests.orchestrator.run_checks import (  # noqa: E402
     ANY_JSON,
     check_any_node_config,
@@ -261,7 +261,7 @@ def test_a_project_for_another_provider_is_a_warning(tmp_path):
 
 # ---- the provider, the command line ------------------------------------------------------------
 def test_gcp_needs_google_cloud_compute(monkeypatch, tmp_path):
-    import orchestrator.providers as providers
+    import orchestrator.config.clouds as providers
 
     assert providers.provider_problem("gcp") is None
     monkeypatch.setattr(providers, "_compute_installed", lambda: False)

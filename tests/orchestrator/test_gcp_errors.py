@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("google.cloud.compute_v1")
 
-from orchestrator.cli import main  # noqa: E402
-from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.cli.main import main  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.providers.base import LaunchSpec, ProviderAuthError  # noqa: E402
 from orchestrator.providers.gcp import GcpProvider, instance_name, label_filter, label_value  # noqa: E402
 from tests.orchestrator.run_checks import fleet_policy, refusal_stops_the_run, shipped_yaml  # noqa: E402
@@ -181,7 +181,7 @@ def test_bad_credentials_are_one_clear_error_and_exit_2(tmp_path, gce_api, capsy
 
 def test_down_deletes_every_instance_labelled_with_the_run(tmp_path, gce_api, capsys):
     path = shipped_yaml(tmp_path, "gcp-spot.yaml", gce_api.url)
-    from orchestrator.config_checks import load_cluster_config
+    from orchestrator.config.checks import load_cluster_config
 
     config = load_cluster_config(path)
     provider = GcpProvider(config, time.time)

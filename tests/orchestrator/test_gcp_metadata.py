@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from orchestrator.notices import (
+from orchestrator.instance.notices import (
     GCE_PREEMPTION_NOTICE_S,
     GceMetadataClient,
     GceNoticeWatcher,

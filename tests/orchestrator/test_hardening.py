@@ -13,8 +13,10 @@ import psutil
 import pytest
 import torch
 
-from orchestrator import chaos_disk, figures, run_pid
-from orchestrator.supervisor import read_checkpoint
+from orchestrator.chaos import disk as chaos_disk
+from orchestrator.runs import figures
+from orchestrator.runs import pid as run_pid
+from orchestrator.runs.checkpoints import read_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,9 +78,9 @@ def test_the_run_pid_file_names_its_driver_only_while_that_very_process_runs(tmp
 
 
 def test_down_never_signals_a_process_that_got_the_runs_pid(tmp_path, capsys):
-    from orchestrator.cli import main
-    from orchestrator.config_checks import load_cluster_config
-    from orchestrator.run_store import RunStore
+    from orchestrator.cli.main import main
+    from orchestrator.config.checks import load_cluster_config
+    from orchestrator.runs.store import RunStore
 
     config = load_cluster_config(Path(__file__).resolve().parents[2] / "cluster_configs" / "local.yaml")
     store = RunStore.create(config, base=tmp_path)
@@ -97,7 +99,7 @@ def test_down_never_signals_a_process_that_got_the_runs_pid(tmp_path, capsys):
 
 
 def one_machine_config(tmp_path, name: str):
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.schema import ClusterConfig
 
     return ClusterConfig.model_validate({"cluster_name": name, "runs_dir": str(tmp_path / "runs"),
                                          "available_node_types": {"small": {"min_workers": 1, "max_workers": 1}}})
@@ -105,7 +107,7 @@ def one_machine_config(tmp_path, name: str):
 
 @pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
 def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tmp_path):
-    from orchestrator.run_store import InstanceRecord, RunStore
+    from orchestrator.runs.store import InstanceRecord, RunStore
 
     config = one_machine_config(tmp_path, "full")
     run_dir = config.run_dir()
@@ -141,7 +143,7 @@ def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tm
 def test_a_long_full_disk_outage_costs_bounded_memory_and_time_and_keeps_every_accounting_row(tmp_path):
     """Held writes are tried again once per ``retry_every_s``, not on every write (each try replays
     them all); past ``max_pending`` every other progress sample goes, never an instance or event row."""
-    from orchestrator.run_store import InstanceRecord, RunStore
+    from orchestrator.runs.store import InstanceRecord, RunStore
 
     config = one_machine_config(tmp_path, "long")
     run_dir = config.run_dir()
@@ -175,7 +177,7 @@ def test_a_long_full_disk_outage_costs_bounded_memory_and_time_and_keeps_every_a
 
 
 def test_a_bad_write_is_the_callers_error_and_does_not_block_the_writes_after_it(tmp_path):
-    from orchestrator.run_store import RunStore
+    from orchestrator.runs.store import RunStore
 
     config = one_machine_config(tmp_path, "bad")
     store = RunStore.create(config)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.cli import main
-from orchestrator.invariants import check_leaks, check_run, processes_mentioning, stalls
+from orchestrator.cli.main import main
+from orchestrator.runs.invariants import check_leaks, check_run, processes_mentioning, stalls
 from tests.dashboard.conftest import T0, fill_run
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 def run_dir(tmp_path: Path) -> Path:
     run = fill_run(tmp_path / "runs")
     (run / "logs").mkdir()
-    (run / "logs" / "supervisor.log").write_text("2026-11-28 10:00:00,000 INFO orchestrator.supervisor: fine\n")
+    (run / "logs" / "supervisor.log").write_text("2026-11-28 10:00:00,000 INFO orchestrator.fleet.supervisor: fine\n")
     return run
 
 

@@ -51,7 +51,7 @@ def test_up_joins_an_existing_cluster_and_its_run_outlives_the_command(tmp_path,
     env, address = head.env, head.address
     (tmp_path / "cluster.yaml").write_text(CONFIG)
     db = tmp_path / "runs" / "j" / "run.sqlite"
-    cli = [sys.executable, "-m", "orchestrator.cli"]
+    cli = [sys.executable, "-m", "orchestrator.cli.main"]
     with open(tmp_path / "up.out", "w") as out:
         up = subprocess.Popen([*cli, "up", "cluster.yaml", "--address", address, "--duration", "240"],
                               cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -14,9 +14,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from experts.declare import get_experts  # noqa: E402
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.run_store import RunStore  # noqa: E402
-from orchestrator.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.fleet.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.runs.store import RunStore  # noqa: E402
 from tests.orchestrator.run_checks import query  # noqa: E402
 
 # alone: five instances on two cores already; beside another test its 3-s reachability checks and the

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.providers.local_nodes import _node_pids, boot_detached, kill_node, node_alive
+from orchestrator.sim.nodes import _node_pids, boot_detached, kill_node, node_alive
 
 pytestmark = pytest.mark.timeout(60)
 

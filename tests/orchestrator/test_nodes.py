@@ -12,11 +12,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.providers.local_nodes import worker_pids  # noqa: E402
-from orchestrator.ray_workers import worker_actor_name  # noqa: E402
-from orchestrator.run_store import RunStore  # noqa: E402
-from orchestrator.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.fleet.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.instance.actor import worker_actor_name  # noqa: E402
+from orchestrator.runs.store import RunStore  # noqa: E402
+from orchestrator.sim.nodes import worker_pids  # noqa: E402
 from tests.orchestrator.run_checks import (  # noqa: E402
     assert_peers_agree,
     query,

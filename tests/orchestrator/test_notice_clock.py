@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from dht import DHTNode
-from orchestrator.worker_core import WorkerCore
+from orchestrator.instance.core import WorkerCore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import ClusterConfig
-from orchestrator.policy import FleetPolicy
-from orchestrator.providers.base import RUN_TAG, Instance, LaunchSpec, NodeProvider, PreemptionNotice
-from orchestrator.run_store import RunStore, summarize_costs
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.config.tags import RUN_TAG
+from orchestrator.fleet.policy import FleetPolicy
+from orchestrator.providers.base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from orchestrator.runs.store import RunStore, summarize_costs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -744,7 +745,7 @@ def test_a_restarted_policy_knows_its_spares_from_their_workers(make_rig: Callab
 
 
 def test_warm_spares_are_for_trainers_and_count_toward_the_averaging_group(tmp_path: Path) -> None:
-    from orchestrator.config_checks import config_problems
+    from orchestrator.config.checks import config_problems
 
     config = make_config(tmp_path, max_workers=3, warm_spares=2)
     assert config.max_trainers() == 5 and config.max_instances() == 5
@@ -761,7 +762,7 @@ def test_warm_spares_are_for_trainers_and_count_toward_the_averaging_group(tmp_p
 def test_policy_module_imports_no_ray() -> None:
     """The policy must be testable (and these tests fast) without Ray.  A fresh interpreter, since
     other test modules in the same session may have imported Ray already."""
-    code = "import sys, orchestrator.policy; print('ray' in sys.modules)"
+    code = "import sys, orchestrator.fleet.policy; print('ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=25)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

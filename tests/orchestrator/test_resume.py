@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.run_store import RunStore
+from orchestrator.runs.store import RunStore
 from tests.orchestrator.run_checks import (
     assert_resumed_from,
     assert_stop_lost_nothing,
@@ -65,7 +65,7 @@ def rows(db_path: Path, sql: str) -> list:
 def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
     (tmp_path / "cluster.yaml").write_text(KILL_CONFIG)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cli = [sys.executable, "-m", "orchestrator.cli"]
+    cli = [sys.executable, "-m", "orchestrator.cli.main"]
     up = subprocess.Popen([*cli, "up", "cluster.yaml", "--duration", "300"], cwd=tmp_path, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     db = tmp_path / "runs" / "r" / "run.sqlite"
@@ -155,7 +155,7 @@ def stops(tmp_path_factory: pytest.TempPathFactory, wait_for) -> Stops:
     base = tmp_path_factory.mktemp("stops")
     (base / "cluster.yaml").write_text(STOP_CONFIG)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cli = [sys.executable, "-m", "orchestrator.cli"]
+    cli = [sys.executable, "-m", "orchestrator.cli.main"]
     run = base / "runs" / "s"
     up = subprocess.run([*cli, "up", "cluster.yaml", "--duration", "30"], cwd=base, env=env, capture_output=True,
                         text=True, timeout=240)
@@ -216,7 +216,7 @@ def test_a_stopped_run_resumes_from_the_epoch_it_stopped_at_with_the_same_parame
 def test_check_reads_the_log_of_every_instance_of_an_actors_mode_run(stops: Stops, capsys) -> None:
     """Each instance's worker logged into the run directory (actors mode: Ray's session directory is
     gone with the session); `check` scans those logs, and a traceback in one fails the run, named."""
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     instances = [i for (i,) in query(stops.run, "SELECT id FROM instances ORDER BY id")]
     assert len(instances) >= 6  # two per run

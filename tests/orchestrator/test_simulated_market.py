@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from orchestrator.config import ClusterConfig  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.providers.base import LaunchSpec  # noqa: E402
-from orchestrator.providers.local import SimulatedMarket  # noqa: E402
+from orchestrator.sim.actors import SimulatedMarket  # noqa: E402
 
 MEAN = 600.0
 NOTICE = 30.0

@@ -9,8 +9,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.run_store import RunStore, summarize_costs  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.runs.store import RunStore, summarize_costs  # noqa: E402
 from tests.orchestrator.run_checks import (  # noqa: E402
     event_time,
     query,

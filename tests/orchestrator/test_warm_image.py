@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.warm_image import ForkedCore, WarmImage
+from orchestrator.instance.warm_image import ForkedCore, WarmImage
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -32,7 +32,7 @@ def _actor(image: WarmImage) -> subprocess.Popen:
     line on its stdin."""
     script = textwrap.dedent(f"""
         import sys
-        from orchestrator.warm_image import ForkedCore
+        from orchestrator.instance.warm_image import ForkedCore
         core = ForkedCore({image.path!r})
         print(core.worker_pid, flush=True)
         for line in sys.stdin:
@@ -103,7 +103,7 @@ def test_an_actor_whose_worker_died_ends_too(image):
 def test_the_image_ends_with_its_owner_and_when_closed(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys
-        from orchestrator.warm_image import WarmImage
+        from orchestrator.instance.warm_image import WarmImage
         print(WarmImage().process.pid, flush=True)
         sys.stdin.read()
     """)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -20,7 +20,7 @@ from averaging.matchmaking import Matchmaker
 from dht import DHT, CompositeValidator, DHTNode, DHTRecord, SignatureValidator
 from dht.routing import key_id, serialize_key
 from experts import declare_experts, get_experts, withdraw_experts
-from orchestrator.dht_peer import start_dht_peer
+from orchestrator.instance.dht_peer import start_dht_peer
 from p2p import Identity, PeerAddress
 from workers.progress import PeerProgress, ProgressTracker
 from workers.run_keys import run_validators
@@ -287,7 +287,7 @@ async def test_every_honest_writer_of_a_run_passes_its_rules(swarm):
 
 @pytest.mark.timeout(60)
 def test_the_spotswarm_dht_command_installs_the_runs_rules():
-    cmd = [sys.executable, "-m", "orchestrator.cli", "dht", "--run", RUN]
+    cmd = [sys.executable, "-m", "orchestrator.cli.main", "dht", "--run", RUN]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

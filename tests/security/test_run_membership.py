@@ -15,10 +15,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from dht import DHTNode  # noqa: E402
-from orchestrator import token_cli  # noqa: E402
-from orchestrator.config import ClusterConfig  # noqa: E402
-from orchestrator.run_store import RunStore  # noqa: E402
-from orchestrator.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.cli import token as token_cli  # noqa: E402
+from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.fleet.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.runs.store import RunStore  # noqa: E402
 from p2p import P2P, Identity, NotAMember, PeerID  # noqa: E402
 from p2p.membership import Authority, Certificate, Membership  # noqa: E402
 
@@ -102,8 +102,8 @@ def test_only_members_take_part_and_certificates_are_renewed(tmp_path, wait_for,
 
 
 def test_tokens_that_do_not_fit_are_clear_errors(tmp_path, capsys):
-    from orchestrator.authority import parse_duration
-    from orchestrator.dht_peer import run_dht_peer
+    from orchestrator.fleet.authority import parse_duration
+    from orchestrator.instance.dht_peer import run_dht_peer
 
     assert [parse_duration(t) for t in ("90", "90s", "15m", "12h", "7d")] == [90, 90, 900, 43200, 604800]
     for bad in ("", "-5m", "1w", "0", "soon"):

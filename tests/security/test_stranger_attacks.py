@@ -125,7 +125,7 @@ async def test_a_stranger_cannot_take_an_expert_uid_or_move_the_epoch(run):
 
 async def test_an_expert_server_with_a_token_serves_members_only(tmp_path):
     from experts.config import ExpertServerConfig, start_server
-    from orchestrator.expert_server_cli import _membership_problem
+    from orchestrator.instance.expert_server import _membership_problem
 
     authority = Authority(Identity(), RUN)
     key = tmp_path / "server.key"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.config import ClusterConfig
-from orchestrator.config_loader import ConfigError
+from orchestrator.config.loader import ConfigError
+from orchestrator.config.schema import ClusterConfig
 from p2p.devices import host_buffer, pick_device
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,7 @@ def test_cuda_without_a_gpu_is_refused_with_the_reason():
 @pytest.mark.parametrize("command", ["worker", "expert-server"])
 def test_the_commands_refuse_cuda_without_a_gpu_before_starting(command):
     extra = ["--no-dht", "--expert-uids", "ffn.0"] if command == "expert-server" else []
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", command, "--device", "cuda", *extra],
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", command, "--device", "cuda", *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2, proc.stderr
     assert f"spotswarm {command}: device cuda:" in proc.stderr and "sees no CUDA device" in proc.stderr
@@ -47,7 +47,7 @@ def test_the_commands_refuse_cuda_without_a_gpu_before_starting(command):
 
 
 def _cluster(tmp_path: Path, training: str, resources: str) -> ClusterConfig:
-    from orchestrator.config_checks import load_cluster_config
+    from orchestrator.config.checks import load_cluster_config
 
     path = tmp_path / "c.yaml"
     path.write_text(f"cluster_name: dev\nprovider: {{type: local}}\nhead_node_type: head\n"

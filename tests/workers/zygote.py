@@ -5,10 +5,10 @@ Each fresh worker interpreter spends about 4.5 CPU-seconds on imports (torch, an
 machine, so they waited mostly on imports. Forked from this process, which has paid for them once, a
 worker is up in milliseconds. The children are still real processes: their own sockets, signals, exit
 codes and files; only the imports are shared. ``tests/workers/test_devices.py`` and the fleet tests still
-run the real ``python -m orchestrator.cli`` from a fresh interpreter.
+run the real ``python -m orchestrator.cli.main`` from a fresh interpreter.
 
 On a machine with a GPU, torch may start CUDA while preloading (a child forked after that cannot use
-it: torch refuses), so there each child execs ``python -m orchestrator.cli`` instead, set up the same
+it: torch refuses), so there each child execs ``python -m orchestrator.cli.main`` instead, set up the same
 way: fresh interpreters, as slow as without the zygote, and able to train on the GPU. ``ZYGOTE_EXEC=1``
 in the zygote's environment takes that path anywhere (``test_zygote.py``).
 
@@ -27,13 +27,13 @@ import signal
 import sys
 import traceback
 
-from orchestrator import warm_image
+from orchestrator.instance import warm_image
 
 
 def preload() -> None:
     """What the local simulator's warm image preloads, and the worker's command line."""
-    import orchestrator.cli  # noqa: F401
-    import orchestrator.worker_cli  # noqa: F401
+    import orchestrator.cli.main  # noqa: F401
+    import orchestrator.instance.worker  # noqa: F401
 
     warm_image.preload()
 
@@ -58,10 +58,10 @@ def run_child(command: dict, fresh: bool) -> int:
     os.environ.clear()
     os.environ.update(command["env"])
     if fresh:
-        os.execv(sys.executable, [sys.executable, "-m", "orchestrator.cli", *command["argv"]])
+        os.execv(sys.executable, [sys.executable, "-m", "orchestrator.cli.main", *command["argv"]])
     warm_image.reseed_after_fork()
     sys.argv = ["spotswarm", *command["argv"]]
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     try:
         code = main(command["argv"])

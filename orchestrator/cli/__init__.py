@@ -1,0 +1,1 @@
+"""The ``spotswarm`` command (``main``) and what its run subcommands do (``cluster``, ``token``)."""

@@ -1,0 +1,611 @@
+"""Cluster YAML: shaped like Ray's cluster launcher YAML, plus spotswarm's own sections.
+
+Parsed with PyYAML, validated with pydantic.  Every error names the field, the line and what was
+expected; unknown keys are errors with a did-you-mean, so a typo never silently means a default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+import math
+import re
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pydantic
+
+from orchestrator.config.loader import ConfigError as ConfigError  # raised for this module's configs by config_checks
+from orchestrator.config.loader import Loc, ModelFlags, did_you_mean
+from p2p.devices import DeviceName
+from workers.worker_config import BUILTIN_TASK_NAMES, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _Strict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}\Z){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?")
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_host(value: str) -> str:
+    """An IP address or a hostname; raises ValueError naming what is wrong (a typo here would
+    otherwise surface as a peer that nobody can reach)."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", value):  # looks like IPv4 but is not one: never a hostname
+        raise ValueError(f"{value!r} is not a valid IP address")
+    if not _HOSTNAME.fullmatch(value):
+        raise ValueError(f"{value!r} is neither an IP address nor a hostname")
+    return value
+
+
+def check_ray_address(value: str) -> str:
+    """``auto`` or ``HOST:PORT`` (IPv6 in brackets); raises ValueError naming what is wrong."""
+    if value == "auto":
+        return value
+    expected = "expected 'auto' or HOST:PORT, e.g. 10.0.0.5:6379"
+    if "://" in value:
+        raise ValueError(f"{value!r}: a URL (a Ray Client address?); {expected}, the head's GCS address")
+    if value.startswith("["):
+        host, sep, port = value[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"{value!r}: {expected}")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{value!r}: {host!r} in brackets is not an IPv6 address") from None
+    else:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"{value!r}: {expected}")
+        if ":" in host:
+            raise ValueError(f"{value!r}: an IPv6 host goes in brackets, e.g. [::1]:6379")
+        try:
+            check_host(host)
+        except ValueError as e:
+            raise ValueError(f"{value!r}: {e}") from None
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r}: port {port!r} is not a number from 1 to 65535")
+    return value
+
+
+def check_endpoint_url(value: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host (an S3- or EC2-compatible endpoint, e.g. moto's)."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and value.isprintable()
+        parts.port  # noqa: B018 - raises ValueError on a port that is not one
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{value!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:5000")
+    return value
+
+
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def check_s3_uri(value: str) -> str:
+    """``s3://bucket`` or ``s3://bucket/prefix``, with S3's bucket naming rules."""
+    if not value.startswith("s3://"):
+        raise ValueError(f"{value!r}: only s3:// URIs are supported, e.g. s3://my-bucket/runs")
+    bucket, _, prefix = value.removeprefix("s3://").partition("/")
+    if not _S3_BUCKET.fullmatch(bucket):
+        raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name (3 to 63 lowercase letters, digits, "
+                         "dots and hyphens, starting and ending with a letter or digit)")
+    if not prefix.isprintable():
+        raise ValueError(f"{value!r}: the key prefix has a control character")
+    return value
+
+
+def check_announce_host(value: str) -> str:
+    """A host other peers can reach: an address or hostname, never a wildcard to listen on."""
+    check_host(value)
+    try:
+        wildcard = ipaddress.ip_address(value).is_unspecified
+    except ValueError:  # a hostname
+        wildcard = False
+    if wildcard:
+        raise ValueError(f"{value!r} is a wildcard to listen on; announce an address other peers can reach")
+    return value
+
+
+# checked strings for the config models: each check runs once, wherever the type is used
+Host = Annotated[str, pydantic.AfterValidator(check_host)]
+AnnounceHost = Annotated[str, pydantic.AfterValidator(check_announce_host)]
+RayAddress = Annotated[str, pydantic.AfterValidator(check_ray_address)]
+EndpointUrl = Annotated[str, pydantic.AfterValidator(check_endpoint_url)]
+S3Uri = Annotated[str, pydantic.AfterValidator(check_s3_uri)]
+
+
+def split_zones(value: str) -> list[str]:
+    """Ray's ``provider.availability_zone``, ``"us-east-1a,us-east-1b"``, as a list of zones."""
+    return [zone.strip() for zone in value.split(",")]
+
+
+class ProviderConfig(_Strict):
+    type: Literal["local", "aws", "gcp"] = "local"
+    # local simulator only: "actors" runs each instance as a Ray actor on the driver's node (light);
+    # "nodes" starts each instance as its own raylet with the boot script, joining the run's Ray
+    mode: Literal["actors", "nodes"] = "actors"
+    namespaces: list[str] = []  # local "nodes" only: network namespaces, one per instance, own IPs
+    region: str = "local"
+    # Ray's key, comma-separated; for the cloud providers it gives zones when zones is not given
+    availability_zone: str | None = None
+    # aws: not given (and no availability_zone) means [], "the subnets' zones, or every zone of the region"
+    zones: list[str] = ["local-a", "local-b"]
+    # local simulator only
+    time_scale: float = pydantic.Field(1.0, gt=0, description="simulated seconds per real second")
+    provisioning_delay_s: float = pydantic.Field(5.0, ge=0)
+    trace_file: str | None = None  # replayable CSV of launch/notice/kill offsets
+    seed: int = 0
+    # local "actors" only (None: on there): fork the instances' workers from one preloaded interpreter,
+    # so a boot does not spend ~5 CPU-seconds of imports on the cores the other simulated instances use
+    warm_image: bool | None = None
+    # cloud providers
+    project: str | None = None  # gcp: the project instances are launched in
+    project_id: str | None = None  # gcp: Ray's key for the same (either may be given)
+    endpoint_url: EndpointUrl | None = None  # an EC2 / Compute endpoint other than the default (tests, private clouds)
+    image: str | None = None
+
+    @pydantic.field_validator("mode")
+    @classmethod
+    def _mode_needs_local(cls, mode: str, info: pydantic.ValidationInfo) -> str:
+        kind = info.data.get("type")
+        if mode == "nodes" and kind is not None and kind != "local":
+            raise ValueError(f"'nodes' is for the local provider only (provider.type is {kind!r}); "
+                             "cloud instances are separate machines already")
+        return mode
+
+    @pydantic.field_validator("namespaces")
+    @classmethod
+    def _namespaces(cls, names: list[str], info: pydantic.ValidationInfo) -> list[str]:
+        kind, mode = info.data.get("type"), info.data.get("mode")
+        if names and (kind, mode) != ("local", "nodes") and None not in (kind, mode):
+            raise ValueError(f"only provider.type 'local' with provider.mode 'nodes' runs instances in network "
+                             f"namespaces (here type {kind!r}, mode {mode!r})")
+        for name in names:
+            if not _NAMESPACE.fullmatch(name) or name in (".", ".."):
+                raise ValueError(f"{name!r} is not a network namespace name (letters, digits, '_', '.', '-')")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"listed more than once: {', '.join(map(repr, duplicates))}")
+        return names
+
+    @pydantic.field_validator("warm_image")
+    @classmethod
+    def _warm_image_is_local_actors(cls, warm: bool | None, info: pydantic.ValidationInfo) -> bool | None:
+        kind, mode = info.data.get("type"), info.data.get("mode")
+        if warm is not None and (kind, mode) != ("local", "actors") and None not in (kind, mode):
+            raise ValueError(f"only provider.type 'local' with provider.mode 'actors' forks workers from a warm "
+                             f"image (here type {kind!r}, mode {mode!r}); the others boot every worker on its own")
+        return warm
+
+    @pydantic.field_validator("availability_zone")
+    @classmethod
+    def _availability_zone(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if info.data.get("type") == "local":
+            raise ValueError("Ray's key for a cloud provider's zones; the local simulator's zones are provider.zones")
+        if "" in split_zones(value):
+            raise ValueError(f"{value!r}: expected zone names separated by commas, e.g. 'us-east-1a,us-east-1b'")
+        return value
+
+    @pydantic.field_validator("zones")
+    @classmethod
+    def _zones_agree(cls, zones: list[str], info: pydantic.ValidationInfo) -> list[str]:
+        """Runs only for zones given explicitly: they must name what availability_zone names."""
+        given = info.data.get("availability_zone")
+        if given is not None and set(split_zones(given)) != set(zones):
+            raise ValueError(f"{zones} and provider.availability_zone {given!r} name different zones; "
+                             "give one of them")
+        return zones
+
+    @pydantic.model_validator(mode="after")
+    def _project(self) -> ProviderConfig:
+        """Ray's ``project_id`` and our ``project`` name one project: either gives ``project``."""
+        if self.project is not None and self.project_id is not None and self.project != self.project_id:
+            raise ValueError(f"project {self.project!r} and project_id {self.project_id!r} differ; give one of them")
+        if self.project is None and self.project_id is not None:
+            self.project = self.project_id
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _default_zones(self) -> ProviderConfig:
+        """A cloud provider's zones: ``zones``, else ``availability_zone``; for aws else [] (the
+        provider finds them: the subnets' zones, or every zone of the region)."""
+        if self.type == "local" or "zones" in self.model_fields_set:
+            return self
+        if self.availability_zone is not None:
+            self.zones = split_zones(self.availability_zone)
+        elif self.type == "aws":
+            self.zones = []
+        return self
+
+
+class PreemptionModel(_Strict):
+    distribution: Literal["exponential", "weibull", "none"] = "exponential"
+    mean_lifetime_s: float = pydantic.Field(600.0, gt=0)
+    weibull_shape: float = pydantic.Field(1.5, gt=0)
+
+
+class NodeType(_Strict):
+    # trainer: a training peer; experts: an expert server hosting the part of the run's expert grid
+    # that the supervisor assigns it (see the experts section)
+    role: Literal["trainer", "experts"] = "trainer"
+    node_config: dict[str, Any] = {}
+    resources: dict[str, float] = {}
+    min_workers: int = pydantic.Field(0, ge=0)
+    max_workers: int = pydantic.Field(1, ge=0)
+    # trainers only: instances kept booted and joined but idle, each ready to take a preempted
+    # trainer's place at its notice instead of a cold boot later; billed like any instance
+    warm_spares: int = pydantic.Field(0, ge=0, le=64)
+    spot: bool = True
+    on_demand_price_per_hour: float = pydantic.Field(1.0, ge=0)
+    spot_price_per_hour: dict[str, float] = {}  # by zone; missing zones use 0.3 x on-demand
+    preemption: PreemptionModel = PreemptionModel()
+    # Mbit/s its instances declare for the all-reduce's load balancing; unset, each measures its own
+    bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False)
+
+    @pydantic.model_validator(mode="after")
+    def _check_sizes(self) -> NodeType:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
+        if self.warm_spares and self.role != "trainer":
+            raise ValueError(f"warm_spares ({self.warm_spares}) is for trainers; role {self.role!r} has none (its "
+                             "replicas already cover a lost server)")
+        return self
+
+    def price(self, zone: str, market: str) -> float:
+        """Dollars per hour as the config says (a cloud's own spot price, where it has one, comes first)."""
+        if market == "on-demand":
+            return self.on_demand_price_per_hour
+        return self.spot_price_per_hour.get(zone, 0.3 * self.on_demand_price_per_hour)
+
+
+class SpotConfig(_Strict):
+    market: Literal["spot", "on-demand"] = "spot"
+    max_price_per_hour: float | None = pydantic.Field(None, gt=0)
+    notice_period_s: float = pydantic.Field(120.0, ge=0)  # AWS-like; GCP gives 30
+    fallback_to_on_demand_after: int | None = pydantic.Field(None, ge=1)  # preemptions ...
+    fallback_window_s: float = pydantic.Field(600.0, gt=0)  # ... within this window
+
+
+class BudgetConfig(_Strict):
+    max_dollars_per_hour: float | None = pydantic.Field(None, gt=0)
+    max_total_dollars: float | None = pydantic.Field(None, gt=0)
+
+
+class TrainingConfig(_Strict):
+    task: str = "synthetic"
+    task_options: dict[str, Any] = {}  # keyword arguments of the task's factory (e.g. moe-charlm's layers, context)
+    target_batch_size: int = pydantic.Field(256, gt=0)
+    averaging: Literal["collaborative", "moshpit"] = "collaborative"
+    group_size: int = pydantic.Field(16, ge=2)
+    grid: list[int] = [2, 2]
+    # "fp16" is the name "float16" had before the codecs were unified: accepted until the next release
+    compression: Literal["none", "float16", "bfloat16", "uniform8", "blockwise8", "fp16"] = "none"
+    averaging_timeout_s: float = pydantic.Field(30.0, gt=0)
+    min_matchmaking_time_s: float = pydantic.Field(2.0, gt=0)
+    param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
+    # where workers train: auto is the instance's GPU when its node type has one (resources: {GPU: n})
+    device: DeviceName = "auto"
+
+
+MOE_TASKS = ("moe-charlm",)  # built-in tasks whose feed-forward layers are the run's expert grid
+
+
+class ExpertsConfig(_Strict):
+    """The run's expert grid (mixture-of-experts runs): what the expert servers host and how the
+    trainers' mixtures call it."""
+
+    uid_prefix: str = pydantic.Field("ffn", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    grid: list[int] = pydantic.Field([2, 4], min_length=1, max_length=4)
+    kind: str = "ffn"  # a registered expert kind (experts/layers.py): ffn, transformer, nop
+    hidden_dim: int = pydantic.Field(64, gt=0)  # the experts' width: the model's width (moe-charlm's dim)
+    k_best: int = pydantic.Field(4, ge=1)
+    k_min: int = pydantic.Field(2, ge=0)
+    backward_k_min: int = pydantic.Field(1, ge=0)
+    forward_timeout_s: float = pydantic.Field(5.0, gt=0)
+    timeout_after_k_min_s: float = pydantic.Field(0.5, ge=0)
+    backward_timeout_s: float = pydantic.Field(5.0, gt=0)
+    replicas: int = pydantic.Field(2, ge=1)  # servers holding each expert: one preemption never removes one
+    average_every_s: float = pydantic.Field(10.0, ge=0)  # replicas average their parameters (0: never)
+    lr: float = pydantic.Field(1e-3, gt=0)
+    declare_period_s: float = pydantic.Field(2.0, gt=0)  # DHT re-declarations (real seconds)
+
+    @pydantic.field_validator("grid")
+    @classmethod
+    def _grid(cls, grid: list[int]) -> list[int]:
+        if any(n < 1 or n > 256 for n in grid):
+            raise ValueError(f"{grid}: every dimension of the grid is a number from 1 to 256")
+        return grid
+
+    @pydantic.model_validator(mode="after")
+    def _k(self) -> ExpertsConfig:
+        size = math.prod(self.grid)
+        if self.k_best > size:
+            raise ValueError(f"k_best ({self.k_best}) exceeds the grid's {size} experts")
+        if self.k_min > self.k_best or self.backward_k_min > self.k_best:
+            raise ValueError(f"k_min ({self.k_min}) and backward_k_min ({self.backward_k_min}) may not exceed "
+                             f"k_best ({self.k_best})")
+        return self
+
+    def uids(self) -> list[str]:
+        """Every expert of the grid, row-major: ``ffn.0.0``, ``ffn.0.1``, ..."""
+        return [".".join((self.uid_prefix, *map(str, coords)))
+                for coords in itertools.product(*(range(n) for n in self.grid))]
+
+    def task_options(self) -> dict[str, Any]:
+        """The mixture settings of a ``moe-charlm`` trainer."""
+        return {"dim": self.hidden_dim, "grid": list(self.grid), "uid_prefix": self.uid_prefix,
+                "k_best": self.k_best, "k_min": self.k_min, "backward_k_min": self.backward_k_min,
+                "forward_timeout": self.forward_timeout_s, "timeout_after_k_min": self.timeout_after_k_min_s,
+                "backward_timeout": self.backward_timeout_s}
+
+
+class CheckpointConfig(_Strict):
+    directory: str | None = None  # default: <run dir>/checkpoints
+    every_s: float = pydantic.Field(60.0, gt=0)
+    keep: int = pydantic.Field(3, ge=1)
+    # a clean stop's final checkpoint waits this long (real seconds) for a live peer's newest state
+    final_timeout_s: float = pydantic.Field(60.0, gt=0, le=3600)
+    uri: S3Uri | None = None  # s3://bucket[/prefix]: checkpoints also go to object storage
+    endpoint_url: EndpointUrl | None = None  # an S3-compatible endpoint other than AWS's (tests: moto)
+
+
+class DashboardConfig(_Strict):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = pydantic.Field(8270, ge=0, le=65535)  # not 8265: that is Ray's own dashboard
+
+
+class RayConfig(_Strict):
+    address: RayAddress | None = None  # None: a local Ray session; "auto" or HOST:PORT: join that cluster
+
+
+class NetworkConfig(_Strict):
+    listen_host: Host | None = None  # None: see ClusterConfig.listen_host()
+    announce_host: AnnounceHost | None = None  # None: the Ray node's IP address
+
+
+class MembershipConfig(_Strict):
+    """Who takes part: with ``enabled``, every peer presents a certificate signed by the run's
+    authority key at each connection, and peers without one are refused."""
+
+    enabled: bool = True
+    ttl_s: float = pydantic.Field(3600.0, ge=10)  # a certificate's lifetime; renewed when half of it is left
+
+
+class ClusterConfig(_Strict):
+    cluster_name: str = pydantic.Field(pattern=r"^[A-Za-z0-9_-]+$")
+    runs_dir: str = "runs"
+    provider: ProviderConfig = ProviderConfig()
+    head_node_type: str | None = None
+    available_node_types: dict[str, NodeType]
+    spot: SpotConfig = SpotConfig()
+    budget: BudgetConfig = BudgetConfig()
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    dashboard: DashboardConfig = DashboardConfig()
+    ray: RayConfig = RayConfig()
+    network: NetworkConfig = NetworkConfig()
+    membership: MembershipConfig = MembershipConfig()
+    experts: ExpertsConfig = ExpertsConfig()
+
+    @pydantic.model_validator(mode="after")
+    def _roles(self) -> ClusterConfig:
+        """Expert servers and an expert task come together, with servers enough for the replicas."""
+        servers = {name: nt for name, nt in self.fleet_types().items() if nt.role == "experts"}
+        if self.training.task in MOE_TASKS and not servers:
+            raise ValueError(f"training.task {self.training.task!r} calls the run's experts, but no node type has "
+                             "role: experts (add one to host the grid)")
+        if servers and self.training.task in BUILTIN_TASK_NAMES and self.training.task not in MOE_TASKS:
+            raise ValueError(f"node type(s) {', '.join(servers)} have role: experts, but training.task "
+                             f"{self.training.task!r} uses no experts (use task: moe-charlm)")
+        if servers and not self.trainer_types():
+            raise ValueError("every node type has role: experts; a run needs trainers too (role: trainer)")
+        most = sum(nt.max_workers for nt in servers.values())
+        if servers and self.experts.replicas > most:
+            raise ValueError(f"experts.replicas is {self.experts.replicas}, but at most {most} expert servers run "
+                             "(the sum of their max_workers): raise max_workers or lower replicas")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _node_types(self) -> ClusterConfig:
+        if not self.available_node_types:
+            raise ValueError("available_node_types must name at least one node type")
+        if self.head_node_type is not None and self.head_node_type not in self.available_node_types:
+            raise ValueError(f"head_node_type {self.head_node_type!r} is not in available_node_types")
+        return self
+
+    def run_dir(self, base: Path | None = None) -> Path:
+        return (base or Path(self.runs_dir)) / self.cluster_name
+
+    def listen_host(self) -> str:
+        """Where peers listen: ``network.listen_host``, else loopback when every instance is an actor
+        on this machine (nothing outside needs to reach them), else every interface."""
+        if self.network.listen_host is not None:
+            return self.network.listen_host
+        if self.provider.type == "local" and self.provider.mode == "actors":
+            return "127.0.0.1"
+        return "0.0.0.0"
+
+    def with_ray_address(self, address: str | None) -> ClusterConfig:
+        """This config joining the Ray cluster at ``address`` (``--address``; None keeps
+        ``ray.address``), checked as the YAML key is: a bad one is a ConfigError."""
+        if address is None:
+            return self
+        ray_config = ModelFlags(RayConfig).load(None, {**self.ray.model_dump(), "address": address})
+        return self.model_copy(update={"ray": ray_config})
+
+    def fleet_types(self) -> dict[str, NodeType]:
+        """The node types spotswarm launches: all but ``head_node_type`` (the head runs the supervisor)."""
+        return {name: nt for name, nt in self.available_node_types.items() if name != self.head_node_type}
+
+    def max_instances(self) -> int:
+        """The fleet's size when every node type it launches runs ``max_workers`` and its warm spares."""
+        return sum(nt.max_workers + nt.warm_spares for nt in self.fleet_types().values())
+
+    def trainer_types(self) -> dict[str, NodeType]:
+        """The fleet's node types that train (not expert servers)."""
+        return {name: nt for name, nt in self.fleet_types().items() if nt.role == "trainer"}
+
+    def max_trainers(self) -> int:
+        """Trainers at most: every warm spare may be training while the peers it replaces leave."""
+        return sum(nt.max_workers + nt.warm_spares for nt in self.trainer_types().values())
+
+    def role(self, node_type: str) -> str:
+        return self.available_node_types[node_type].role
+
+    def uses_experts(self) -> bool:
+        return any(nt.role == "experts" for nt in self.fleet_types().values())
+
+    def worker_config(self, initial_peers: list[str], node_type: str | None = None, **extra: Any) -> WorkerConfig:
+        """A trainer's settings; ``node_type`` adds what its instances' type says (their bandwidth)."""
+        t = self.training
+        if node_type is not None:
+            extra = {"bandwidth": self.available_node_types[node_type].bandwidth, **extra}
+        options = {**(self.experts.task_options() if t.task in MOE_TASKS else {}), **t.task_options}
+        if options:
+            extra = {"task_options": options, **extra}
+        return WorkerConfig(run=self.cluster_name, task=t.task, mode=t.averaging, initial_peers=initial_peers,
+                            target_batch_size=t.target_batch_size, compression=t.compression,
+                            min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
+                            moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
+                            param_digests=t.param_digests, **extra)
+
+    def expert_host_config(self, initial_peers: list[str], node_type: str | None = None,
+                           **extra: Any) -> dict[str, Any]:
+        """An expert server's settings (``workers.expert_host.ExpertHostConfig``'s fields); ``node_type``
+        adds what its instances' type says (their bandwidth)."""
+        e = self.experts
+        if node_type is not None:
+            extra = {"bandwidth": self.available_node_types[node_type].bandwidth, **extra}
+        return {"run": self.cluster_name, "initial_peers": initial_peers, "device": self.training.device,
+                "experts": {"uid_prefix": e.uid_prefix, "grid": list(e.grid), "kind": e.kind,
+                            "hidden_dim": e.hidden_dim, "lr": e.lr},
+                "declare_period": e.declare_period_s, "replica_average_every_s": e.average_every_s,
+                "averaging_timeout": self.training.averaging_timeout_s, **extra}
+
+    def worker_gpus(self) -> dict[str, int]:
+        """GPUs each node type's worker takes: one where the type has any and training may use it."""
+        if self.training.device == "cpu":
+            return {}
+        return {name: 1 for name, nt in self.fleet_types().items() if nt.resources.get("GPU", 0) >= 1}
+
+
+def spot_said_twice(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,
+                    spot_is: str, other_is: str) -> list[tuple[Loc, str]]:
+    """Spot is said one way: the provider's own node_config ``key`` (Ray's) or spot (ours); a
+    contradiction is an error. ``spot_is``/``other_is`` say how the key reads for spot and not."""
+    out: list[tuple[Loc, str]] = []
+    for name, nt in config.available_node_types.items():
+        market, at = market_of(nt), ("available_node_types", name)
+        if market == "spot" and "spot" in nt.model_fields_set and not nt.spot:
+            out.append((at + ("spot",), f"false, but node_config.{key} asks for spot ({spot_is}): remove one of "
+                                        f"the two ({key} for on-demand, spot: false for spot)"))
+        elif market is not None and market != "spot" and nt.spot:
+            out.append((at + ("node_config", key), other_is.format(market=repr(market)) + " is not spot, but the "
+                        "node type is spot (spot: true, the default): set spot: false"))
+        elif market == "spot" and config.spot.market == "on-demand" and name != config.head_node_type:
+            out.append((("spot", "market"), f"'on-demand' for the whole fleet, but available_node_types.{name}."
+                                            f"node_config.{key} asks for spot: remove one"))
+    return out
+
+
+def spot_said_alike(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,
+                    twice: str) -> list[tuple[Loc, str]]:
+    """Warnings where the provider's node_config ``key`` asks for spot: on the head, or with spot: true too."""
+    out: list[tuple[Loc, str]] = []
+    for name, nt in config.available_node_types.items():
+        if market_of(nt) != "spot":
+            continue
+        at = ("available_node_types", name)
+        if name == config.head_node_type:
+            out.append((at + ("node_config", key), "the head node type asks for spot; the head should be on-demand "
+                        "(spotswarm does not launch it: it is where the supervisor runs)"))
+        elif "spot" in nt.model_fields_set and nt.spot:
+            out.append((at + ("spot",), f"true and node_config.{key} say the same (spot); {twice}"))
+    return out
+
+
+# ---- Ray cluster-launcher keys: accepted with a warning ---------------------------------------
+# Keys of Ray's cluster launcher (ray/autoscaler/ray-schema.json, and a few that Ray's AWS provider
+# and autoscaler read beyond it) that spotswarm does not use, by section, each with why.  A Ray YAML
+# loads: these are removed before validation, each with a warning; a key neither knows stays an error.
+_BOOT = "every instance runs spotswarm's boot script instead (see spotswarm bootstrap-script)"
+_SSH = "spotswarm does not SSH into instances or sync files to them"
+_SIZE = "the fleet follows each node type's min_workers and max_workers and the spot policy"
+_IGNORED = "ignored"
+RAY_LAUNCHER_KEYS: dict[str, dict[str, str]] = {
+    "": {  # top level
+        "auth": _SSH, "cluster_synced_files": _SSH, "docker": _BOOT, "file_mounts": _SSH,
+        "file_mounts_sync_continuously": _SSH, "head_setup_commands": _BOOT, "head_start_ray_commands": _BOOT,
+        "idle_timeout_minutes": _SIZE, "initialization_commands": _BOOT, "max_workers": _SIZE,
+        "metadata": _IGNORED, "no_restart": _BOOT, "rsync_exclude": _SSH, "rsync_filter": _SSH,
+        "setup_commands": _BOOT, "upscaling_speed": _SIZE, "worker_setup_commands": _BOOT,
+        "worker_start_ray_commands": _BOOT,
+    },
+    "provider": {
+        **dict.fromkeys((
+            "autoscaler_role", "autoscaler_role_binding", "autoscaler_service_account", "cloudwatch",
+            "disable_launch_config_check", "disable_node_updaters", "foreground_node_launch",
+            "head_ip", "location", "module", "msi_identity_id", "msi_identity_principal_id", "namespace",
+            "resource_group", "subnet_id", "subscription_id", "tags", "use_external_head_ip",
+            "use_internal_ips", "worker_ips", "worker_liveness_check"), _IGNORED),
+        "aws_credentials": "boto3 finds credentials as usual (environment, profile, instance role)",
+        "gcp_credentials": "google-auth finds credentials as usual (GOOGLE_APPLICATION_CREDENTIALS, gcloud's "
+                           "application-default login, the head's service account)",
+        "cache_stopped_nodes": "spotswarm terminates the instances it releases",
+        "key_pair": "set node_config.KeyName", "security_group": "set node_config.SecurityGroupIds",
+    },
+    "available_node_types.*": {
+        "docker": _BOOT, "idle_timeout_s": _SIZE, "initialization_commands": _BOOT, "labels": _IGNORED,
+        "priority": _SIZE, "worker_setup_commands": _BOOT,
+    },
+}
+
+
+def _without_ray_keys(section: Any, kind: str, where: Loc, model: type[pydantic.BaseModel],
+                      found: list[tuple[Loc, str]]) -> Any:
+    """A copy of ``section`` (a mapping) without Ray's launcher keys, each noted in ``found`` with its
+    reason.  Copied, not changed: a YAML alias may share one mapping between sections."""
+    if not isinstance(section, dict):
+        return section
+    known = RAY_LAUNCHER_KEYS[kind]
+    kept = {}
+    for key, value in section.items():
+        if not (isinstance(key, str) and key in known):
+            kept[key] = value
+            continue
+        found.append((where + (key,), f"Ray's cluster launcher key, not used by spotswarm: {known[key]}"
+                      + did_you_mean(key, model.model_fields, cutoff=0.8)))  # namespace -> namespaces
+    return kept
+
+
+def strip_ray_launcher_keys(data: dict) -> tuple[dict, list[tuple[Loc, str]]]:
+    """``data`` without the keys of Ray's cluster launcher that spotswarm does not use, and where
+    each was, with a warning message."""
+    found: list[tuple[Loc, str]] = []
+    data = _without_ray_keys(data, "", (), ClusterConfig, found)
+    if "provider" in data:
+        data["provider"] = _without_ray_keys(data["provider"], "provider", ("provider",), ProviderConfig, found)
+    types = data.get("available_node_types")
+    if isinstance(types, dict):
+        data["available_node_types"] = {
+            name: _without_ray_keys(nt, "available_node_types.*", ("available_node_types", name), NodeType, found)
+            for name, nt in types.items()}
+    return data, found

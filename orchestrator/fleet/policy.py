@@ -1,0 +1,598 @@
+"""The fleet policy: what the supervisor decides each tick, apart from how it is carried out.
+
+A plain object over a provider, a clock, a run store and a worker control, with no Ray in it, so
+every decision (zone, market, budget, min/max workers, adoption after a restart) is tested in
+seconds with a fake provider and a fake clock.  Its tick never waits on a cloud: launches,
+releases, worker placements and provider polls run on thread pools, and each tick only starts
+calls and collects the ones that finished.  The run store is written from the tick alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.config.tags import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG
+from orchestrator.providers.base import (
+    CapacityError,
+    Instance,
+    LaunchSpec,
+    NodeProvider,
+    PreemptionNotice,
+    ProviderAuthError,
+)
+from orchestrator.runs.store import InstanceRecord, RunStore, summarize_costs
+
+logger = logging.getLogger(__name__)
+
+
+def _certifier_for(workers: Any, instance_id: str) -> Callable[[str], str | None] | None:
+    """The token hook of a worker the provider starts itself; None when membership is off."""
+    if getattr(workers, "certifier", None) is None:
+        return None
+    return lambda peer_id: workers.certify(instance_id, peer_id)
+
+
+class WorkerControl(Protocol):
+    """How the policy reaches the training peer on an instance (Ray actors in the supervisor)."""
+
+    def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
+        """Start the instance's worker on it; returns its peer id.  May block while it boots."""
+
+    def notify(self, instance: Instance, deadline_s: float) -> None:
+        """Forward a preemption notice (never blocks)."""
+
+    def activate(self, instance: Instance) -> None:
+        """Make a warm spare's worker train (never blocks; queued behind its boot if it is booting)."""
+
+    def poll_left(self, instance_ids: list[str]) -> list[str]:
+        """Which of these noticed instances' workers have left gracefully (never blocks)."""
+
+    def stop(self, instance: Instance) -> None:
+        """Make the worker leave gracefully (may block for its deadline)."""
+
+    def running(self, instance: Instance) -> dict | None:
+        """The running worker's ``peer_id`` and ``address``, or None (adoption after a restart)."""
+
+    # optional: ``poll_notices(instance_ids) -> list[PreemptionNotice]``, the notices the instances' own
+    # watchers saw (wall-clock times, source "instance"); never blocks; ``certify(instance_id, peer_id)
+    # -> token | None``, the membership token of a worker a provider starts itself; ``poll_dead(instance_ids)
+    # -> list[str]``, the instances whose worker died while the machine runs on (never blocks)
+
+
+@dataclass
+class _Pending:
+    node_type: str
+    zone: str
+    market: str
+    ready_at: float
+
+
+@dataclass
+class _Background:
+    """One call running on a pool: what it is for and the future of its result."""
+
+    kind: str  # "launch", "place", "adopt", "activate", "release"
+    instance_id: str
+    future: Future
+    detail: Any = None
+
+
+class FleetPolicy:
+    """Keeps a run's fleet at the size its config asks for, within its budget."""
+
+    def __init__(self, config: ClusterConfig, provider: NodeProvider, clock: Callable[[], float], store: RunStore,
+                 workers: WorkerControl, worker_args: Callable[[str], dict[str, Any]],
+                 boot_script: Callable[[LaunchSpec], str | None] = lambda spec: None,
+                 to_real: Callable[[float], float] = lambda s: s, max_calls: int = 16) -> None:
+        self.config = config
+        self.provider = provider
+        self.clock = clock
+        self.store = store
+        self.workers = workers
+        self.worker_args = worker_args  # node type -> what its worker starts with (a trainer or an expert server)
+        self.boot_script = boot_script
+        self.to_real = to_real  # simulated seconds -> the workers' real seconds
+        self.pending: list[_Pending] = []
+        self.live: dict[str, Instance] = {}
+        self.noticed: set[str] = set()
+        self.left: set[str] = set()
+        self.spares: set[str] = set()  # warm spares (launched or launching): booted and joined, not training
+        self.preemptions: deque[tuple[float, str]] = deque()
+        self.budget_exhausted = False
+        self.fatal: str | None = None  # a problem only a person can fix (credentials): the run stops
+        self.status_text = "starting"
+        self.fleet_log: list[str] = []  # one line per instance lost, for the operator's console
+        self._boot_failures = 0
+        self._launch_failures = 0
+        self._launch_not_before = float("-inf")
+        self._no_capacity: dict[tuple[str, str, str], float] = {}  # (node type, zone, market) -> until
+        self._held_notices: list[PreemptionNotice] = []  # for instances whose launch is not collected yet
+        self._calls = ThreadPoolExecutor(max_calls, thread_name_prefix="provider")
+        self._polls = ThreadPoolExecutor(1, thread_name_prefix="provider-poll")  # never queued behind a launch
+        self._poll: Future | None = None
+        self._next_poll = float("-inf")
+        self._background: list[_Background] = []
+        self._next_index = self._first_free_index()
+        self.log_dir: Path | None = None  # where each instance's worker logs (``<instance id>.log``); None: nowhere
+        # called before the budget's release (the final checkpoint) with the real seconds it may take: half
+        # of what the budget has left at the fleet's rate
+        self.before_release: Callable[[float], None] | None = None
+
+    # ---- restart: adopt what the previous supervisor left running --------------------------------
+    def adopt(self, lost_at: float | None = None, timeout: float = 120.0, head_changed: bool = False) -> list[str]:
+        """Take over the run's live instances (found by tag) instead of launching duplicates;
+        close in the store what no longer exists (its cost ends at ``lost_at``, the last moment the
+        store heard from the run), and release instances the store never knew.  ``head_changed``:
+        the run's Ray head is a new one, so machines that joined the old head can never run a
+        worker for this supervisor; they are released too."""
+        listed = self._calls.submit(self.provider.list, {RUN_TAG: self.config.cluster_name}).result(timeout)
+        known = {r.id: r for r in self.store.instances()}
+        now = self.clock()
+        adopted = []
+        for inst in listed:
+            record = known.get(inst.id)
+            if head_changed and not inst.hosts_worker:
+                logger.warning("instance %s joined the run's previous Ray head; releasing it", inst.id)
+                if record is not None and record.ended_at is None:
+                    self.store.update_instance(inst.id, ended_at=now, end_reason="orphaned")
+                    self.store.event("orphaned", inst.id)
+                    known.pop(inst.id)
+                self._submit("release", inst, self.provider.terminate, inst)
+                continue
+            if record is None or record.ended_at is not None:
+                logger.warning("instance %s has this run's tag but no open record; releasing it", inst.id)
+                self._submit("release", inst, self._release, inst)
+                continue
+            inst.price_per_hour, inst.launched_at = record.price_per_hour, record.launched_at
+            self.live[inst.id] = inst
+            if record.notice_at is not None:
+                self.noticed.add(inst.id)
+            if not inst.hosts_worker:
+                self._submit("adopt", inst, self._ensure_worker, inst)
+            self.store.event("adopted", inst.id)
+            adopted.append(inst.id)
+        lost = [r.id for r in known.values() if r.ended_at is None and r.id not in self.live]
+        for instance_id in lost:
+            self.store.update_instance(instance_id, ended_at=now if lost_at is None else lost_at, end_reason="lost")
+            self.store.event("lost", instance_id)
+        if lost:
+            logger.warning("%d instances of this run are gone; their cost ends when the run was last heard from",
+                           len(lost))
+        if adopted:
+            self.status_text = "running"
+        return adopted
+
+    def _ensure_worker(self, inst: Instance) -> tuple[str, bool]:
+        """An adopted instance's worker: the running one (and whether it is a warm spare), or a new trainer."""
+        running = self.workers.running(inst)
+        if running:
+            return running["peer_id"], running.get("phase") == "standby"
+        return self.workers.place(inst, self._logging(inst.id, self.worker_args(inst.node_type))), False
+
+    @property
+    def launching(self) -> int:
+        """Launches asked of the provider and not answered yet."""
+        return sum(1 for b in self._background if b.kind == "launch")
+
+    # ---- one tick --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        self._collect_background()
+        self._collect_polls(now)
+        self._collect_instance_notices(now)
+        self._record_leaves()
+        self._release_dead_workers()
+        self._enforce_budget(now)
+        if not self.budget_exhausted and self.fatal is None:
+            self._reconcile(now)
+            self._launch_due(now)
+        self._start_poll(now)
+
+    def _start_poll(self, now: float) -> None:
+        if self._poll is None and time.monotonic() >= self._next_poll:
+            self._next_poll = time.monotonic() + self.provider.poll_interval_s
+            self._poll = self._polls.submit(lambda: (self.provider.poll_notices(now),
+                                                     self.provider.poll_terminated(now)))
+
+    def _collect_polls(self, now: float) -> None:
+        if self._poll is None or not self._poll.done():
+            return
+        poll, self._poll = self._poll, None
+        try:
+            notices, terminated = poll.result()
+        except Exception as e:
+            logger.warning("polling the provider failed: %s", e)
+            return
+        self._take_notices(now, notices)
+        for instance_id in terminated:
+            preempted = instance_id in self.noticed or self.provider.was_preempted(instance_id)
+            reason = "preempted" if preempted else "died"
+            if instance_id in self.live:
+                logger.info("instance %s %s; a replacement follows", instance_id, reason)
+            self._ended(instance_id, reason)
+
+    def _collect_instance_notices(self, now: float) -> None:
+        """Notices the machines saw themselves (a cloud's metadata service), reported by their workers."""
+        poll = getattr(self.workers, "poll_notices", None)
+        if poll is None:
+            return
+        waiting = [i for i in self.live if i not in self.noticed]
+        if not waiting:
+            return
+        offset = now - time.time()  # their times are the wall clock's
+        notices = [PreemptionNotice(n.instance_id, n.notice_at + offset, n.terminate_at + offset, n.source)
+                   for n in poll(waiting)]
+        if notices:
+            self._take_notices(now, notices)
+
+    def _take_notices(self, now: float, notices: list[PreemptionNotice]) -> None:
+        launching = {b.instance_id for b in self._background if b.kind == "launch"}
+        notices, self._held_notices = self._held_notices + notices, []
+        for notice in notices:
+            inst = self.live.get(notice.instance_id)
+            if inst is None and notice.instance_id in launching:
+                self._held_notices.append(notice)  # the launch returned but its result is not collected yet
+                continue
+            if inst is None or inst.id in self.noticed:
+                continue
+            self.noticed.add(inst.id)
+            self.store.update_instance(inst.id, notice_at=notice.notice_at)
+            self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at, "source": notice.source})
+            logger.info("preemption notice for %s: terminated in %.0f s", inst.id, notice.terminate_at - now)
+            if notice.source == "provider":  # a machine that saw it itself is leaving already
+                # the worker gets most of the notice; the rest is margin for the message and the kill
+                self.workers.notify(inst, max(self.to_real(notice.terminate_at - now) * 0.8, 0.5))
+            if inst.id not in self.spares:
+                self._activate_spare(inst.node_type)
+
+    def _activate_spare(self, node_type: str) -> None:
+        """A trainer is going: a warm spare of its type takes its place now, not a boot later (one that
+        finished booting first); the replacement launched for the trainer becomes the next spare."""
+        candidates = [i for i in self.spares if i in self.live and i not in self.noticed
+                      and self.live[i].node_type == node_type]
+        if not candidates:
+            return
+        spare = max(candidates, key=lambda i: (bool(self.live[i].tags.get("peer_id")), -self.live[i].launched_at))
+        self.spares.discard(spare)
+        self.store.event("activated", spare)
+        logger.info("warm spare %s takes over a trainer's place", spare)
+        self._submit("activate", self.live[spare], self.workers.activate, self.live[spare])
+
+    def _record_leaves(self) -> None:
+        waiting = [i for i in self.noticed if i in self.live and i not in self.left]
+        if not waiting:
+            return
+        for instance_id in self.workers.poll_left(waiting):
+            self.left.add(instance_id)
+            self.store.event("left", instance_id)  # the worker left gracefully before the kill
+
+    def _release_dead_workers(self) -> None:
+        """A machine whose worker died (killed, crashed) trains nothing: it ends as "died", is released,
+        and a replacement follows, as for a machine that died whole."""
+        poll = getattr(self.workers, "poll_dead", None)
+        placed = [i for i, inst in self.live.items() if inst.tags.get("peer_id") and i not in self.noticed]
+        if poll is None or not placed:
+            return
+        for instance_id in poll(placed):
+            inst = self.live.get(instance_id)
+            if inst is None:
+                continue
+            logger.warning("the worker on %s died while its machine runs on; releasing the instance", instance_id)
+            self._ended(instance_id, "died")
+            self._submit("release", inst, self.provider.terminate, inst)
+
+    def _ended(self, instance_id: str, reason: str) -> None:
+        inst = self.live.pop(instance_id, None)
+        was_spare = instance_id in self.spares
+        self.spares.discard(instance_id)
+        if inst is None:
+            return
+        if reason in ("preempted", "died") and not was_spare and instance_id not in self.noticed:
+            self._activate_spare(inst.node_type)  # gone without a notice: no spare took its place yet
+        now = self.clock()
+        self.store.update_instance(instance_id, ended_at=now, end_reason=reason)
+        self.store.event(reason, instance_id)
+        if reason == "preempted":
+            self.preemptions.append((now, inst.zone))
+        if reason == "died" and not inst.tags.get("peer_id"):
+            self._boot_failed(now)
+        if reason in ("preempted", "died"):
+            self.fleet_log.append(f"{reason}: {instance_id} ({inst.zone}, {inst.market}) after "
+                                  f"{now - inst.launched_at:.0f} s; a replacement follows")
+
+    # ---- background calls ------------------------------------------------------------------------
+    def _submit(self, kind: str, inst: Instance | LaunchSpec, fn: Callable[..., Any], *args: Any,
+                detail: Any = None) -> None:
+        instance_id = inst.instance_id if isinstance(inst, LaunchSpec) else inst.id
+        self._background.append(_Background(kind, instance_id, self._calls.submit(fn, *args), detail))
+
+    def _collect_background(self) -> None:
+        done = [b for b in self._background if b.future.done()]
+        for b in done:
+            self._background.remove(b)
+            try:
+                result = b.future.result()
+            except Exception as e:
+                self._failed(b, e)
+                continue
+            if b.kind == "launch":
+                self._launched(result)
+            elif b.kind == "adopt":
+                peer_id, standby = result
+                if standby and b.instance_id in self.live:
+                    self.spares.add(b.instance_id)
+                self._placed(b.instance_id, peer_id)
+            elif b.kind == "place" and result:
+                self._placed(b.instance_id, result)
+
+    def _placed(self, instance_id: str, peer_id: str) -> None:
+        if peer_id:
+            self.store.update_instance(instance_id, peer_id=peer_id)
+            self._boot_failures = 0
+            self._launch_failures = 0
+            if instance_id in self.live:
+                self.live[instance_id].tags["peer_id"] = peer_id
+
+    def _failed(self, b: _Background, error: Exception) -> None:
+        if b.kind == "launch":
+            spec: LaunchSpec = b.detail
+            self.store.event("launch_failed", detail={"node_type": spec.node_type, "zone": spec.zone,
+                                                      "market": spec.market, "error": str(error)})
+            logger.warning("launching %s in %s (%s) failed: %s", spec.node_type, spec.zone, spec.market, error)
+            self.spares.discard(spec.instance_id)
+            self._launch_failed(spec, error)
+        elif b.kind == "activate":
+            logger.warning("activating the warm spare %s failed: %s", b.instance_id, error)
+        elif b.kind in ("place", "adopt"):
+            logger.warning("the worker of %s did not start: %s; releasing the instance", b.instance_id, error)
+            inst = self.live.get(b.instance_id)
+            if inst is not None:
+                self._ended(inst.id, "died")
+                self._submit("release", inst, self.provider.terminate, inst)
+        else:
+            logger.warning("releasing %s failed: %s", b.instance_id, error)
+
+    #: clock seconds a zone without capacity is left alone before it is tried again
+    no_capacity_s: float = 300.0
+
+    def _launch_failed(self, spec: LaunchSpec, error: Exception) -> None:
+        """No capacity: that zone and market rest for a while (the next launch picks another zone,
+        then on-demand).  Refused credentials: the run stops, nothing else will work.  Anything
+        else: back off exponentially rather than hammer the API every tick."""
+        now = self.clock()
+        if isinstance(error, ProviderAuthError):
+            self.fatal = str(error)
+            self.status_text = f"stopped: {error}"
+            self.store.event("fatal", detail={"error": str(error)})
+            logger.error("the cloud refused the run's credentials; stopping: %s", error)
+            return
+        if isinstance(error, CapacityError):
+            self._no_capacity[(spec.node_type, error.zone, error.market)] = now + self.no_capacity_s
+            self.store.event("no_capacity", detail={"node_type": spec.node_type, "zone": error.zone,
+                                                    "market": error.market, "error": str(error)})
+            return
+        self._launch_failures += 1
+        wait = min(self.boot_backoff_s * 2 ** (self._launch_failures - 1), 3600.0)
+        self._launch_not_before = max(self._launch_not_before, now + wait)
+        self.status_text = f"{self._launch_failures} launches in a row failed; next launch in {wait:.0f} s"
+
+    def _has_capacity(self, node_type: str, zone: str, market: str, now: float) -> bool:
+        until = self._no_capacity.get((node_type, zone, market))
+        return until is None or now >= until
+
+    # ---- fleet -----------------------------------------------------------------------------------
+    def _reconcile(self, now: float) -> None:
+        """Keep at least min_workers and scale up to max_workers (plus the warm spares) while the budget
+        allows."""
+        launching = [b.detail for b in self._background if b.kind == "launch"]
+        for name, node_type in self.config.available_node_types.items():
+            if name == self.config.head_node_type:
+                continue  # the head is the machine the supervisor runs on, not one of the fleet's
+            have = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
+            have += sum(1 for p in self.pending if p.node_type == name)
+            have += sum(1 for s in launching if s.node_type == name)
+            while have < node_type.max_workers + node_type.warm_spares:
+                zone, market = self.choose_zone(name, now)
+                if not self._has_capacity(name, zone, market, now):
+                    self.status_text = f"no capacity for {name} in any zone; trying again shortly"
+                    break
+                price = self.provider.price(name, zone, market)
+                if not self._affordable(price, now):
+                    if have < node_type.min_workers:
+                        self.status_text = f"budget: cannot launch {name} (min_workers {node_type.min_workers})"
+                    break
+                self.pending.append(_Pending(name, zone, market, now + self.provider.provisioning_delay))
+                self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market})
+                have += 1
+
+    def choose_zone(self, node_type: str, now: float) -> tuple[str, str]:
+        """The cheapest zone, penalized by its recent preemptions; on-demand after too many of them
+        (and back to spot once they leave the window), or when spot is above the price cap."""
+        spot = self.config.spot
+        while self.preemptions and now - self.preemptions[0][0] > spot.fallback_window_s:
+            self.preemptions.popleft()
+        window = [z for _, z in self.preemptions]
+        market = "spot" if spot.market == "spot" and self.config.available_node_types[node_type].spot else "on-demand"
+        every_zone = self.provider.zones or self.config.provider.zones
+        zones = [z for z in every_zone if self._has_capacity(node_type, z, market, now)]
+        if market == "spot" and spot.fallback_to_on_demand_after and len(window) >= spot.fallback_to_on_demand_after:
+            market = "on-demand"
+        if market == "spot" and spot.max_price_per_hour is not None:
+            zones = [z for z in zones if self.provider.price(node_type, z, "spot") <= spot.max_price_per_hour]
+        if market == "spot" and not zones:  # no spot anywhere (price cap, capacity): on-demand
+            market = "on-demand"
+            zones = [z for z in every_zone if self._has_capacity(node_type, z, market, now)]
+        if not zones:  # no capacity at all: the least recently refused zone is tried again first
+            zones = sorted(every_zone, key=lambda z: self._no_capacity.get((node_type, z, market), 0.0))[:1]
+
+        def score(zone: str) -> float:  # cheaper, and fewer recent preemptions, is better
+            return self.provider.price(node_type, zone, market) * (1 + 0.5 * window.count(zone))
+
+        return min(zones, key=score), market
+
+    def _rate(self) -> float:
+        launching = [b.detail for b in self._background if b.kind == "launch"]
+        return (sum(i.price_per_hour for i in self.live.values())
+                + sum(self.provider.price(p.node_type, p.zone, p.market) for p in self.pending)
+                + sum(self.provider.price(s.node_type, s.zone, s.market) for s in launching))
+
+    def _affordable(self, price: float, now: float) -> bool:
+        budget = self.config.budget
+        rate = self._rate()
+        if budget.max_dollars_per_hour is not None and rate + price > budget.max_dollars_per_hour + 1e-9:
+            return False
+        if budget.max_total_dollars is not None:
+            spent = summarize_costs(self.store, now).dollars
+            horizon_h = max(self.config.checkpoint.every_s, 60.0) / 3600  # room to notice and stop in time
+            if spent + (rate + price) * horizon_h > budget.max_total_dollars:
+                return False
+        return True
+
+    def _enforce_budget(self, now: float) -> None:
+        total = self.config.budget.max_total_dollars
+        if total is None or self.budget_exhausted:
+            return
+        rate = sum(i.price_per_hour for i in self.live.values())
+        spent = summarize_costs(self.store, now).dollars
+        # stop while there is still room for the instances' next ticks of spending
+        margin = rate * self.spend_margin_s / 3600
+        if spent + margin >= total:
+            self.budget_exhausted = True
+            self.status_text = f"budget exhausted: ${spent:.4f} of ${total:.2f}; instances released"
+            self.store.event("budget_exhausted", detail={"spent": spent, "max_total_dollars": total})
+            logger.warning("budget exhausted: $%.4f of $%.2f; releasing every instance", spent, total)
+            self.pending.clear()
+            if self.before_release is not None and self.live:
+                left_s = max(total - spent, 0.0) / rate * 3600 if rate > 0 else 0.0  # at the fleet's rate
+                try:  # half of it: the release itself takes time too
+                    self.before_release(self.to_real(left_s) / 2)
+                except Exception:  # never in the way of the release the budget calls for
+                    logger.exception("the step before the budget's release failed")
+            for inst in list(self.live.values()):
+                self._ended(inst.id, "budget")
+                self._submit("release", inst, self._release, inst)
+
+    def _boot_failed(self, now: float) -> None:
+        """An instance died before its worker ran (a broken image or boot script, a full disk):
+        back off exponentially instead of buying machines as fast as they fail.  One such death
+        alone (a machine reclaimed or killed while booting) is relaunched at once."""
+        self._boot_failures += 1
+        if self._boot_failures == 1:
+            return
+        wait = min(self.boot_backoff_s * 2 ** (self._boot_failures - 2), 3600.0)
+        self._launch_not_before = now + wait
+        self.status_text = (f"{self._boot_failures} instances in a row died while booting; "
+                            f"next launch in {wait:.0f} s")
+        self.store.event("boot_backoff", detail={"failures": self._boot_failures, "wait_s": wait})
+
+    #: clock seconds before a relaunch after a second instance in a row died while booting (then doubling)
+    boot_backoff_s: float = 30.0
+
+    #: clock seconds of spending the budget check keeps in reserve (a few ticks of the supervisor)
+    spend_margin_s: float = 0.0
+
+    def _first_free_index(self) -> int:
+        """Instance ids continue after every id the run ever used, across restarts."""
+        used = [int(m.group(1)) for r in self.store.instances() if (m := re.search(r"-(\d+)$", r.id))]
+        return max(used, default=-1) + 1
+
+    def _launch_due(self, now: float) -> None:
+        if now < self._launch_not_before:
+            return
+        for p in [p for p in self.pending if p.ready_at <= now]:
+            self.pending.remove(p)
+            index, self._next_index = self._next_index, self._next_index + 1
+            instance_id = f"{self.config.cluster_name}-{p.node_type}-{index:04d}"
+            node_type = self.config.available_node_types[p.node_type]
+            if self._trainers(p.node_type) >= node_type.max_workers:
+                self.spares.add(instance_id)
+            spec = LaunchSpec(instance_id, p.node_type, p.zone, p.market,
+                              tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
+                                    NODE_TYPE_TAG: p.node_type},
+                              node_config=dict(node_type.node_config), resources=dict(node_type.resources),
+                              sequence=index, worker_args=self._worker_args_of(instance_id, p.node_type),
+                              certify=_certifier_for(self.workers, instance_id))
+            spec.boot_script = self.boot_script(spec)
+            # once: cloud providers retry transient errors themselves, and a failure backs off
+            self._submit("launch", spec, self.provider.launch, spec, detail=spec)
+
+    def _trainers(self, node_type: str) -> int:
+        """Instances of the type that train or will: live or launching, neither noticed nor spares."""
+        launching = [b.detail for b in self._background if b.kind == "launch"]
+        live = sum(1 for i in self.live.values() if i.node_type == node_type and i.id not in self.noticed
+                   and i.id not in self.spares)
+        return live + sum(1 for s in launching if s.node_type == node_type and s.instance_id not in self.spares)
+
+    def idle_spares(self) -> int:
+        """Warm spares up and waiting (launched, not noticed).  Safe from another thread: the set is
+        copied first, in one C call."""
+        return sum(1 for i in set(self.spares) if i in self.live and i not in self.noticed)
+
+    def _worker_args_of(self, instance_id: str, node_type: str) -> dict[str, Any]:
+        args = self._logging(instance_id, self.worker_args(node_type))
+        return {**args, "standby": True} if instance_id in self.spares else args
+
+    def _logging(self, instance_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A worker's arguments with where it logs in the run directory, if the run says."""
+        return args if self.log_dir is None else {**args, "log_file": str(self.log_dir / f"{instance_id}.log")}
+
+    def _launched(self, inst: Instance, place: bool = True) -> None:
+        self.live[inst.id] = inst
+        self._launch_failures = 0
+        od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
+        self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
+                                           od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
+        if inst.id in self.spares:
+            self.store.event("standby", inst.id)  # a warm spare: billed, booted, not training until activated
+        if self.fatal is not None:  # the run stopped while this launch was in flight: nothing will work
+            self._ended(inst.id, "released")
+            self._submit("release", inst, self._release, inst)
+            return
+        self.status_text = "running"
+        if self.budget_exhausted:  # the budget ran out while this launch was in flight
+            self._ended(inst.id, "budget")
+            self._submit("release", inst, self._release, inst)
+        elif place and not inst.hosts_worker:
+            self._submit("place", inst, self.workers.place, inst, self._worker_args_of(inst.id, inst.node_type))
+
+    def _release(self, inst: Instance) -> None:
+        try:
+            self.workers.stop(inst)
+        except Exception as e:  # already dead, or stuck: the machine goes either way
+            logger.debug("graceful stop of %s failed: %s", inst.id, e)
+        self.provider.terminate(inst)
+
+    # ---- stopping --------------------------------------------------------------------------------
+    def release_all(self, timeout: float = 120.0) -> None:
+        """Release every instance (gracefully, concurrently) and wait for the calls to finish."""
+        self.pending.clear()
+        for b in [b for b in self._background if b.kind == "launch"]:
+            try:  # a launch in flight becomes an instance we must release too
+                self._launched(b.future.result(timeout=timeout), place=False)
+            except Exception as e:
+                logger.warning("a launch in flight failed while stopping: %s", e)
+            self._background.remove(b)
+        for inst in list(self.live.values()):
+            self._ended(inst.id, "released")
+            self._submit("release", inst, self._release, inst)
+        for b in list(self._background):
+            try:
+                b.future.result(timeout=timeout)
+            except Exception as e:
+                logger.warning("%s of %s failed while stopping: %s", b.kind, b.instance_id, e)
+        self._background.clear()
+
+    def shutdown(self) -> None:
+        """Stop the pools (after ``release_all``, or to leave the instances for the next supervisor)."""
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._polls.shutdown(wait=False, cancel_futures=True)
+        self.provider.shutdown()

@@ -1,0 +1,559 @@
+"""The supervisor: one named Ray actor that keeps a run's fleet at the size its config asks for.
+
+Every tick it forwards preemption notices to instances (their workers leave gracefully), records
+instances the cloud took away, launches replacements (with retries and backoff, preferring
+cheaper zones with fewer recent preemptions, falling back to on-demand after repeated
+preemptions), enforces the budget, records per-epoch progress read from the DHT, and writes
+durable checkpoints pulled from the peers.  Its DHT peer is the run's bootstrap node; on resume
+it also serves the newest checkpoint as a state donor, so new workers continue from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from dht import DHT, SignatureValidator
+from orchestrator.config.schema import ClusterConfig
+from orchestrator.fleet.authority import Certifier, run_authority
+from orchestrator.fleet.experts import ExpertFleet
+from orchestrator.fleet.policy import FleetPolicy
+from orchestrator.fleet.registry import make_provider
+from orchestrator.fleet.workers import RayWorkers
+from orchestrator.instance.actor import announce_host
+from orchestrator.instance.notices import instance_watch
+from orchestrator.providers.base import Instance, LaunchSpec
+from orchestrator.providers.bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
+from orchestrator.runs.checkpoints import checkpoint_directory, read_checkpoint
+from orchestrator.runs.durable import BackgroundArchiver, RunArchive
+from orchestrator.runs.logs import SUPERVISOR_LOG, log_dir, log_path, log_to_file, stop_logging
+from orchestrator.runs.store import RunStore
+from p2p import Identity
+from workers.progress import ProgressTracker
+from workers.run_keys import run_validators
+from workers.state import StateSharer, StateUnavailable
+
+logger = logging.getLogger(__name__)
+
+ARCHIVE_FLUSH_S = 30.0  # how long stop()/detach() wait for the last upload of the history
+
+
+class SimClock:
+    """Simulated seconds: wall time scaled, continuing from ``origin`` (so a resumed run's clock
+    carries on from where the stored history ends)."""
+
+    def __init__(self, scale: float, origin: float | None = None) -> None:
+        self.scale = scale
+        self.wall0 = time.time()
+        self.origin = origin if origin is not None else self.wall0
+
+    def __call__(self) -> float:
+        return self.origin + (time.time() - self.wall0) * self.scale
+
+    def to_real(self, simulated_seconds: float) -> float:
+        return simulated_seconds / self.scale
+
+
+class SupervisorCore:
+    """The supervisor's work, runnable in any process; ``Supervisor`` wraps it in a Ray actor.
+    Fleet decisions are the ``FleetPolicy``'s; this adds the run's DHT peer, progress records,
+    checkpoints and the dashboard."""
+
+    def __init__(self, config: ClusterConfig, run_dir: Path, tick_s: float = 0.2) -> None:
+        self.config = config
+        self.tick_s = tick_s
+        self._log = log_to_file(log_path(run_dir, SUPERVISOR_LOG))  # the run's own log, not Ray's session's
+        self.store = RunStore(run_dir)
+        last = self.store.last_time()
+        scale = config.provider.time_scale if config.provider.type == "local" else 1.0
+        self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
+        self.store.clock = self.clock
+        archive = RunArchive.for_config(config)  # checkpoint.uri: the run outlives its head machine
+        self.archiver = BackgroundArchiver(archive, self.store.dir) if archive else None
+        identity = Identity.from_file(self.store.dir / "head.key")
+        self.certifier = self._certifier()
+        self.dht = self._start_dht(identity)
+        signer = SignatureValidator(identity)
+        self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(n, config.cluster_name,
+                                                                                 config.training.target_batch_size,
+                                                                                 signer)))
+        self.checkpoint_state: tuple[int, Any] | None = None
+        self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
+                                                             self._serve_checkpoint))
+        self.policy = FleetPolicy(config, make_provider(config, self.clock, run_dir), self.clock, self.store,
+                                  self._worker_control(), self._worker_args, boot_script=self._boot_script,
+                                  to_real=self.clock.to_real)
+        self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
+        self.policy.log_dir = log_dir(run_dir).resolve()  # each instance's worker logs there
+        self.policy.before_release = self._final_checkpoint  # the budget's release waits for it
+        self._final_taken = False
+        self.experts = ExpertFleet(config, self.store, lambda: self.policy.live, lambda: self.policy.noticed,
+                                   self.policy.workers.handle, self._checkpoint_dir(), self.clock,
+                                   archive=(lambda d: self.archiver.submit(experts=d)) if self.archiver else None) \
+            if config.uses_experts() else None
+        self.epoch = self.store.latest_epoch()
+        self._first_seen: dict[str, int] = {}  # instance id -> the epoch its peer first reported
+        self._last_checkpoint = self.clock()
+        # a checkpoint's state download (donor after donor) and file write run here, never in the tick
+        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._checkpointing: Future | None = None
+        self._last_advert = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._load_checkpoint()
+        self.dashboard: Any = None
+        adopted = self.policy.adopt(lost_at=last, head_changed=self._head_changed())
+        if adopted:
+            logger.info("adopted %d live instances of this run: %s", len(adopted), ", ".join(adopted))
+            self._rejoin([self.policy.live[i] for i in adopted])
+        # the clock goes into the store so that readers in other processes can tell the run's "now"
+        self.store.event("supervisor_start", detail={"resumed_epoch": self.epoch, "adopted": adopted,
+                                                     "ray_node": _ray_node(), "gcs_address": _gcs_address(),
+                                                     "clock": {
+            "scale": self.clock.scale, "wall0": self.clock.wall0, "origin": self.clock.origin}})
+
+    def _certifier(self) -> Certifier | None:
+        """The run's authority (kept in the run directory, so a resumed run keeps it), or None when
+        membership is off and anyone who can reach a peer takes part."""
+        settings = self.config.membership
+        if not settings.enabled:
+            return None
+        return Certifier(run_authority(self.store.dir, self.config.cluster_name), settings.ttl_s)
+
+    def _worker_control(self) -> RayWorkers:
+        """Cloud machines watch their own metadata for notices; the local simulator tells its workers."""
+        return RayWorkers(watch=instance_watch(self.config.provider.type, self.config.spot.notice_period_s),
+                          certifier=self.certifier, gpus=self.config.worker_gpus(), clock=self.dht.clock.now)
+
+    def _head_changed(self) -> bool:
+        """Whether the run's previous supervisor ran on another Ray cluster (the old head is gone, and
+        machines that joined it will never run a worker for this one)."""
+        starts = self.store.events("supervisor_start")
+        previous = json.loads(starts[-1][3] or "{}").get("gcs_address") if starts else None
+        return previous is not None and previous != _gcs_address()
+
+    def _start_dht(self, identity: Identity) -> DHT:
+        """The run's bootstrap peer, on the port it had before when it can: a restarted supervisor
+        stays where the workers it adopts look for it."""
+        listen = self.config.listen_host()
+        port_file = self.store.dir / "head.port"
+        port = int(port_file.read_text()) if port_file.exists() else 0
+        membership = self.certifier.membership("supervisor", identity.peer_id, ("supervisor",)) \
+            if self.certifier else None
+        options = dict(identity=identity, validators=run_validators(self.config.cluster_name, identity), host=listen,
+                       announce_host=announce_host(listen, self.config.network.announce_host),
+                       p2p_options={"membership": membership})
+        try:
+            dht = DHT([], port=port, **options)
+        except OSError as e:
+            logger.warning("the run's DHT port %d is taken (%s); the workers find the new one through the DHT", port, e)
+            dht = DHT([], **options)
+        port_file.write_text(str(dht.node.p2p.address.port))
+        return dht
+
+    def _rejoin(self, instances: list[Instance]) -> None:
+        """Meet the adopted workers in the DHT (a new bootstrap peer starts knowing nobody)."""
+        # a worker that does not answer at once (paused, busy) is met through the others' routing tables
+        addresses = [r["address"] for i in instances
+                     if (r := self.policy.workers.running(i, timeout=5.0)) and r.get("address")]
+        if not addresses:
+            return
+        try:
+            self.dht.run_coroutine(lambda n: n.bootstrap(addresses))
+        except Exception as e:  # they will find us through their routing tables anyway
+            logger.warning("could not reach the adopted workers' DHT peers: %s", e)
+
+    @property
+    def address(self) -> str:
+        return self.dht.addresses[0]
+
+    @property
+    def live(self) -> dict[str, Instance]:
+        return self.policy.live
+
+    @property
+    def budget_exhausted(self) -> bool:
+        return self.policy.budget_exhausted
+
+    def _worker_args(self, node_type: str) -> dict[str, Any]:
+        """What the worker of a ``node_type`` instance starts with: a trainer's or an expert server's settings."""
+        net = self.config.network
+        if self.config.role(node_type) == "experts":
+            return {"role": "experts", **self.config.expert_host_config([self.address], node_type=node_type,
+                                                                         host=self.config.listen_host(),
+                                                                         announce_host=net.announce_host)}
+        return self.config.worker_config([self.address], node_type=node_type, host=self.config.listen_host(),
+                                         announce_host=net.announce_host).model_dump()
+
+    def _boot_script(self, spec: LaunchSpec) -> str | None:
+        """Machines that join the run's Ray cluster get a boot script; simulated actors do not."""
+        if self.config.provider.type == "local" and self.config.provider.mode == "actors":
+            return None
+        token = ray_auth_token()
+        local = self.config.provider.type == "local"
+        if token and local:
+            token = "$RAY_AUTH_TOKEN"  # the simulator hands the secret over in the environment, not in a file
+        return render_boot_script(self.config, spec.node_type, _gcs_address(), spec.instance_id, auth_token=token,
+                                  # a cloud image has spotswarm's ray on its PATH; here it is ours
+                                  ray_command=str(Path(sys.executable).with_name("ray")) if local else "ray",
+                                  node_ip=NODE_IP_SHELL if self.config.provider.namespaces else None)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("supervisor tick failed; carrying on")
+            self._stop.wait(self.tick_s)
+
+    def serve_dashboard(self) -> str | None:
+        """Serve the run's dashboard (``config.dashboard``) while the run is up; returns its URL.
+        A dashboard that cannot start (port taken, extra not installed) never stops the run."""
+        settings = self.config.dashboard
+        try:
+            from orchestrator.ui.dashboard import DashboardServer
+
+            self.dashboard = DashboardServer(self.store.dir, settings.host, settings.port, clock=self.clock, live=True)
+            url = self.dashboard.start()
+        except Exception as e:  # ImportError without the dashboard extra, OSError for a taken port
+            logger.warning("dashboard not served: %s", e)
+            self.dashboard = None
+            return None
+        logger.info("dashboard: %s", url)
+        self.store.event("dashboard", detail={"url": url})
+        return url
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self.dashboard is not None:
+            try:
+                self.dashboard.stop()
+            except Exception:  # never in the way of releasing the instances
+                logger.exception("stopping the dashboard failed")
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def stop(self) -> None:
+        """Release every instance (gracefully), keep the run's data."""
+        self._close(release=True)
+
+    def detach(self) -> None:
+        """Stop supervising but leave the fleet running, for the next supervisor to adopt."""
+        self._close(release=False)
+
+    def _close(self, release: bool) -> None:
+        if release:
+            self.store.event("stopping")  # where a stop's time starts (the final checkpoint is part of it)
+        self._halt()
+        self._checkpointer.shutdown(wait=True, cancel_futures=True)  # a download in flight ends within its timeouts
+        job = self._checkpointing
+        if job is not None and job.done() and not job.cancelled():
+            self._record_checkpoint(job)
+        if release:
+            self._final_checkpoint()  # before any instance is released: the peers hold the newest state
+            if self.experts is not None:
+                self.experts.final_checkpoint()
+            self.policy.release_all()
+        self.policy.shutdown()
+        self.store.event("supervisor_stop" if release else "supervisor_detach")
+        self._flush_archive()
+        self.dht.shutdown()
+        self.store.close()
+        stop_logging(self._log)
+
+    def _flush_archive(self) -> None:
+        """The history's last upload, waited for (bounded): what the next head restores from."""
+        if self.archiver is None:
+            return
+        if self.archiver.flush(ARCHIVE_FLUSH_S):
+            logger.info("run archived to %s", self.archiver.archive.uri)
+        self.archiver.close()
+
+    # ---- one tick ------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        self.policy.tick()
+        if self.experts is not None:
+            self.experts.tick()
+        self._renew_certificates()
+        self._record_progress()
+        self._maybe_checkpoint(now)
+        self._refresh_advert(now)
+
+    def _renew_certificates(self) -> None:
+        """Members' certificates with half their lifetime left get fresh ones (never waits on a worker)."""
+        if self.certifier is None:
+            return
+        for holder in self.certifier.holders():
+            if holder != "supervisor" and holder not in self.policy.live:
+                self.certifier.forget(holder)
+        for holder, cert in self.certifier.renew_due():
+            if holder == "supervisor":
+                self.dht.renew_certificate(cert)
+            else:
+                self.policy.workers.renew(holder, cert.to_token())
+
+    # ---- progress and checkpoints --------------------------------------------------------------
+    def _record_progress(self) -> None:
+        peers = self.tracker.records()  # the background view: the tick makes no DHT call
+        if not peers:
+            return
+        self._record_first_steps(peers)
+        epoch = max(p.epoch for p in peers.values())
+        if epoch <= self.epoch:
+            return
+        current = [p for p in peers.values() if p.epoch == epoch]
+        losses = [p.loss for p in peers.values() if p.loss is not None]
+        fresh = sum(self.tracker.now() - p.time <= self.tracker.fresh_for for p in peers.values())  # not the dead's
+        self.epoch = epoch
+        self.store.progress(epoch, sum(losses) / len(losses) if losses else None,
+                            sum(p.samples_per_second for p in current), max(fresh, 1),
+                            epoch * self.config.training.target_batch_size)
+
+    def _record_first_steps(self, peers: dict) -> None:
+        """An instance's first averaged step: its peer's epoch moves past the one it started at
+        (how long a replacement takes to contribute, from the kill it replaced)."""
+        by_peer = {i.tags["peer_id"]: i.id for i in list(self.policy.live.values()) if i.tags.get("peer_id")}
+        for subkey, record in peers.items():  # a subkey is the owner's signature marker + its peer id
+            instance_id = next((i for p, i in by_peer.items() if subkey.endswith(p)), None)
+            if instance_id is None or self._first_seen.get(instance_id) == -1:
+                continue
+            first = self._first_seen.setdefault(instance_id, record.epoch)
+            if record.epoch > first:
+                self._first_seen[instance_id] = -1
+                self.store.event("first_step", instance_id, {"epoch": record.epoch})
+
+    def _maybe_checkpoint(self, now: float) -> None:
+        """Start a checkpoint every ``every_s`` on the checkpoint thread; record a finished one."""
+        job = self._checkpointing
+        if job is not None:
+            if job.done():
+                self._checkpointing = None
+                self._record_checkpoint(job)
+            return
+        if now - self._last_checkpoint < self.config.checkpoint.every_s or self._stop.is_set():
+            return
+        self._last_checkpoint = now
+        have = self.checkpoint_state[0] if self.checkpoint_state else -1
+        self._checkpointing = self._checkpointer.submit(self._write_checkpoint, have + 1)
+
+    def _write_checkpoint(self, min_epoch: int) -> tuple[int, Any, Path]:
+        """The newest state from the peers, written to its file (the checkpoint thread)."""
+        epoch, state = self.dht.run_coroutine(lambda n: self.state.download(min_epoch=min_epoch))
+        return epoch, state, self._save_checkpoint(epoch, state)
+
+    def _save_checkpoint(self, epoch: int, state: Any) -> Path:
+        """``state`` written atomically as the checkpoint of ``epoch``; its path."""
+        directory = self._checkpoint_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"epoch-{epoch:06d}.pt"
+        tmp = path.with_suffix(".tmp")
+        try:
+            torch.save({"epoch": epoch, "state": state}, tmp)
+            tmp.replace(path)  # atomic: a crash never leaves a half-written checkpoint behind
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk's partial file would keep it full
+            raise
+        return path
+
+    def _record_checkpoint(self, job: Future) -> None:
+        try:
+            epoch, state, path = job.result()
+        except StateUnavailable as e:
+            logger.info("no newer state to checkpoint: %s", e)
+            if self.archiver is not None:
+                self.archiver.retry()  # what an earlier upload left owed
+            return
+        except Exception as e:  # a full disk, a peer gone mid-download: the next period tries again
+            logger.warning("checkpoint failed: %s: %s", type(e).__name__, e)
+            return
+        self._keep_checkpoint(epoch, state, path)
+
+    def _keep_checkpoint(self, epoch: int, state: Any, path: Path, final: bool = False) -> None:
+        """A written checkpoint: served from now on, recorded, the oldest pruned, archived."""
+        self.checkpoint_state = (epoch, state)
+        self.store.checkpoint(epoch, path)
+        self.store.event("checkpoint", detail={"epoch": epoch, "path": str(path), **({"final": True} if final else {})})
+        for old in sorted(path.parent.glob("epoch-*.pt"))[: -self.config.checkpoint.keep]:
+            old.unlink(missing_ok=True)
+        if self.archiver is not None:
+            self.archiver.submit(path)  # on the upload thread: the tick never waits on S3
+
+    # ---- the final checkpoint of a clean stop --------------------------------------------------
+    def _final_checkpoint(self, within_s: float | None = None) -> None:
+        """The newest state at the stop, checkpointed before any instance is released: the trainers
+        finish their rounds and stop stepping (staying up as state donors), and the state of one at
+        the newest epoch is written like any checkpoint, so ``resume`` continues from exactly where
+        the run stopped.  Bounded by ``checkpoint.final_timeout_s`` (and ``within_s``, what the budget
+        leaves); when no peer answers in time the stop goes on, and the store records how many epochs
+        older the last checkpoint is (``final_checkpoint_missed``).  Once per supervisor."""
+        if self._final_taken:
+            return
+        self._final_taken = True
+        started = time.monotonic()
+        timeout = self.config.checkpoint.final_timeout_s if within_s is None else \
+            max(min(within_s, self.config.checkpoint.final_timeout_s), 0.0)
+        deadline = started + timeout
+        trainers = [i for i in list(self.policy.live.values()) if self.config.role(i.node_type) != "experts"]
+        # three quarters for the rounds in flight to finish, the rest for the download
+        records = self.policy.workers.stop_stepping(trainers, 0.75 * timeout) if trainers else {}
+        self._record_progress()  # what the view holds now; the peers' own answers follow
+        have = self.checkpoint_state[0] if self.checkpoint_state is not None else None
+        stopped_at = max([r["epoch"] for r in records.values()] + [self.epoch])
+        try:
+            if not records:
+                if stopped_at <= (have or 0):  # nothing newer than the last checkpoint (or nothing trained)
+                    self.store.event("final_checkpoint", detail={"epoch": have, "written": False, "peers": {},
+                                                                 "seconds": round(time.monotonic() - started, 3)})
+                    return
+                raise StateUnavailable("no live trainer answered")
+            newest = max(r["epoch"] for r in records.values())
+            donors = [r["address"] for r in records.values() if r["epoch"] == newest and r.get("address")]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no time left of {timeout:g} s")
+            epoch, state = self.dht.run_coroutine(
+                lambda n: asyncio.wait_for(self.state.download_from(donors, min_epoch=newest), left))
+            path = self._save_checkpoint(epoch, state)
+        except Exception as e:  # noqa: BLE001 - no peer in time, a full disk: the stop goes on regardless
+            why = str(e) or type(e).__name__
+            logger.warning("final checkpoint missed (%s); the last checkpoint is of epoch %s, the run stopped at "
+                           "epoch %d", why, have, stopped_at)
+            self.store.event("final_checkpoint_missed", detail={
+                "epoch": stopped_at, "checkpoint_epoch": have, "epochs_behind": stopped_at - (have or 0),
+                "reason": why[:500], "seconds": round(time.monotonic() - started, 3)})
+            return
+        self._keep_checkpoint(epoch, state, path, final=True)
+        if epoch > self.epoch:  # the peers' last step, not in the view yet: the run's epoch is this one
+            losses = [r["loss"] for r in records.values() if r.get("loss") is not None]
+            last = self.store.progress_rows()
+            self.epoch = epoch
+            self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[-1][3] if last else 0.0,
+                                len(records), epoch * self.config.training.target_batch_size)
+        seconds = time.monotonic() - started
+        logger.info("final checkpoint of epoch %d written in %.2f s: %s", epoch, seconds, path)
+        self.store.event("final_checkpoint", detail={
+            "epoch": epoch, "path": str(path), "written": True, "seconds": round(seconds, 3),
+            "peers": {i: {"epoch": r["epoch"], "params": r["params"], "settled": r["settled"]}
+                      for i, r in records.items()}})
+
+    def _checkpoint_dir(self) -> Path:
+        return checkpoint_directory(self.config, self.store.dir)
+
+    def _newest_checkpoint(self) -> tuple[int, Path] | None:
+        """The newest checkpoint the store knows, or a newer file in the checkpoint directory: a run
+        restored from its archive may hold a checkpoint its history snapshot was saved too early to
+        list (the head died between the two uploads).  Such a file is recorded, so the store agrees."""
+        latest = self.store.latest_checkpoint()
+        files = sorted(f for f in self._checkpoint_dir().glob("epoch-*.pt") if f.stem[6:].isdigit())
+        if files:
+            newest = files[-1]
+            epoch = int(newest.stem[6:])
+            if latest is None or epoch > latest[0]:
+                logger.info("checkpoint %s is newer than the run's history lists; using it", newest)
+                self.store.checkpoint(epoch, newest)
+                return epoch, newest
+        return latest
+
+    def _load_checkpoint(self) -> None:
+        latest = self._newest_checkpoint()
+        if latest is None:
+            return
+        epoch, path = latest
+        try:
+            self.checkpoint_state = read_checkpoint(path)
+        except ValueError as e:  # the run goes on without it: the peers still hold their state
+            logger.error("%s; not serving it", e)
+            self.store.event("checkpoint_refused", detail={"path": str(path), "error": str(e)[:500]})
+            return
+        self.epoch = max(self.epoch, epoch)
+        logger.info("serving checkpoint of epoch %d from %s", epoch, path)
+
+    def _serve_checkpoint(self) -> tuple[int, Any]:
+        if self.checkpoint_state is None:
+            raise StateUnavailable("no checkpoint yet")
+        return self.checkpoint_state
+
+    def _refresh_advert(self, now: float) -> None:
+        if self.checkpoint_state is None or time.monotonic() - self._last_advert < 20:
+            return
+        self._last_advert = time.monotonic()
+        epoch = self.checkpoint_state[0]
+        self.dht.spawn(lambda n: self.state.advertise(epoch))  # the tick does not wait on the DHT
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        """What the fleet is doing; the run's figures are ``figures.py``'s, read from the store."""
+        policy = self.policy
+        return {
+            "cluster": self.config.cluster_name, "status": policy.status_text, "time": self.clock(),
+            "live": len(policy.live), "pending": len(policy.pending) + policy.launching, "epoch": self.epoch,
+            "warm_spares": policy.idle_spares(),
+            "address": self.address, "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
+            "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
+            "experts": self.experts.summary() if self.experts is not None else None,
+            "phase": "checkpoint write" if self._checkpointing is not None and not self._checkpointing.done()
+            else "idle", "pending_writes": self.store.pending_writes,
+        }
+
+
+def _gcs_address() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+def _ray_node() -> dict:
+    """Which Ray node the supervisor runs on (it belongs on the head)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    info = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    return {"id": node_id, "ip": info.get("NodeManagerAddress"),
+            "head": "node:__internal_head__" in info.get("Resources", {})}
+
+
+async def _make(cls: Any, *args: Any) -> Any:
+    return cls(*args)
+
+
+async def _viewing(tracker: ProgressTracker) -> ProgressTracker:
+    await tracker.start_view()
+    return tracker
+
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Supervisor:
+    def __init__(self, config: dict, run_dir: str) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.core = SupervisorCore(ClusterConfig.model_validate(config), Path(run_dir))
+        self.dashboard_url = self.core.serve_dashboard() if self.core.config.dashboard.enabled else None
+        self.core.start()
+
+    def status(self) -> dict:
+        return self.core.status()
+
+    def address(self) -> str:
+        return self.core.address
+
+    def dashboard(self) -> str | None:
+        return self.dashboard_url
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self.core.stop()

@@ -1,0 +1,292 @@
+"""A run on disk: ``runs/<cluster_name>/`` holds the resolved config, ``run.sqlite`` (instances,
+events, per-epoch progress, checkpoints) and ``checkpoints/``.  Everything needed to report on a
+run, or resume it after losing every machine, is here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.config.schema import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+# what SQLite says when the disk (or the run directory's filesystem) has no room for a write
+_NO_ROOM = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS instances (
+    id TEXT PRIMARY KEY, node_type TEXT NOT NULL, zone TEXT NOT NULL, market TEXT NOT NULL,
+    price_per_hour REAL NOT NULL, on_demand_price_per_hour REAL NOT NULL,
+    launched_at REAL NOT NULL, notice_at REAL, ended_at REAL, end_reason TEXT, peer_id TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    time REAL NOT NULL, kind TEXT NOT NULL, instance_id TEXT, detail TEXT
+);
+CREATE TABLE IF NOT EXISTS progress (
+    time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, samples_per_second REAL, peers INTEGER,
+    samples INTEGER
+);
+CREATE TABLE IF NOT EXISTS checkpoints (time REAL NOT NULL, epoch INTEGER NOT NULL, path TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS experts (
+    time REAL NOT NULL, live INTEGER NOT NULL, grid INTEGER NOT NULL, min_replicas INTEGER NOT NULL,
+    mean_replicas REAL NOT NULL, requests_per_second REAL, rows_per_batch REAL, calls INTEGER NOT NULL,
+    kmin_fraction REAL
+);
+CREATE INDEX IF NOT EXISTS events_time ON events(time);
+CREATE INDEX IF NOT EXISTS progress_epoch ON progress(epoch);
+"""
+
+
+@dataclass
+class InstanceRecord:
+    id: str
+    node_type: str
+    zone: str
+    market: str
+    price_per_hour: float
+    on_demand_price_per_hour: float
+    launched_at: float
+    notice_at: float | None = None
+    ended_at: float | None = None
+    end_reason: str | None = None
+    peer_id: str | None = None
+
+    def seconds(self, now: float) -> float:
+        """Billed seconds up to ``now`` (also for a moment in the past: cost curves ask for those)."""
+        end = now if self.ended_at is None else min(self.ended_at, now)
+        return max(end - self.launched_at, 0.0)
+
+    def cost(self, now: float) -> float:
+        return self.seconds(now) / 3600 * self.price_per_hour
+
+    def on_demand_cost(self, now: float) -> float:
+        return self.seconds(now) / 3600 * self.on_demand_price_per_hour
+
+
+class RunStore:
+    def __init__(self, run_dir: Path) -> None:
+        self.clock = time.time  # the local simulator swaps in its scaled clock
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "checkpoints").mkdir(exist_ok=True)
+        self.db = sqlite3.connect(self.dir / "run.sqlite", timeout=30, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")  # readers (status, dashboard) never block the writer
+        self.db.executescript(SCHEMA)
+        self.db.commit()
+        # writes the disk had no room for yet, in order: (sql, args, a sample row that may be thinned)
+        self._pending: list[tuple[str, tuple, bool]] = []
+        self._retry_at = 0.0  # monotonic: when held writes are next tried
+        self._thinned = 0  # sample rows dropped while the disk had no room (said once per outage)
+        self._thin_slack = 0  # held rows past max_pending before the next thinning
+        self._write_lock = threading.Lock()
+
+    @classmethod
+    def create(cls, config: ClusterConfig, base: Path | None = None) -> RunStore:
+        store = cls(config.run_dir(base))
+        (store.dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        return store
+
+    @classmethod
+    def open(cls, run_dir: Path) -> RunStore:
+        if not (Path(run_dir) / "run.sqlite").exists():
+            raise FileNotFoundError(f"{run_dir} is not a run directory (no run.sqlite)")
+        return cls(run_dir)
+
+    def config(self) -> ClusterConfig:
+        return self.read_config(self.dir)
+
+    @staticmethod
+    def read_config(run_dir: Path) -> ClusterConfig:
+        """The resolved config a run directory was started with (no database needed)."""
+        return ClusterConfig.model_validate(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
+
+    def close(self) -> None:
+        if self._pending and not self._flush():
+            logger.warning("run store %s: %d writes still had no room on disk when it closed; they are lost",
+                           self.dir, len(self._pending))
+        self.db.close()
+
+    # ---- writing -------------------------------------------------------------------------------
+    @property
+    def pending_writes(self) -> int:
+        """Writes held in memory until the disk has room again (0 normally)."""
+        return len(self._pending)
+
+    #: how often held writes are tried again while the disk has no room (each try replays them all)
+    retry_every_s: float = 1.0
+    #: held writes past which sample rows are thinned (about 200 bytes each)
+    max_pending: int = 100_000
+
+    def _write(self, sql: str, args: tuple, sample: bool = False) -> None:
+        """Every write goes through here: a full disk holds writes back, in order, instead of losing
+        them or failing the caller (the supervisor's tick must go on); a later write retries them.
+        ``sample``: a row of a sampled series (progress, experts), which a long outage may thin."""
+        with self._write_lock:
+            self._pending.append((sql, args, sample))
+            if len(self._pending) == 1 or time.monotonic() >= self._retry_at:
+                self._flush()
+            elif len(self._pending) > self.max_pending + self._thin_slack:
+                self._thin()
+
+    def _flush(self) -> bool:
+        """Write what is held back, in one transaction; False while the disk still has no room."""
+        done = 0
+        try:
+            with self.db:  # commits, or rolls back on error: all held writes land, or none
+                for sql, args, _sample in self._pending:
+                    self.db.execute(sql, args)
+                    done += 1
+        except Exception as e:
+            if not isinstance(e, sqlite3.OperationalError) or \
+                    (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in _NO_ROOM:  # the primary code
+                if done < len(self._pending):  # a bad statement is a caller's error, not the disk's
+                    del self._pending[done]  # the rest stay
+                raise
+            if len(self._pending) == 1:  # said once per outage, not once per write
+                logger.warning("run store %s: no room on disk (%s); holding writes in memory until there is",
+                               self.dir, e)
+            self._retry_at = time.monotonic() + self.retry_every_s
+            return False
+        if len(self._pending) > 1:
+            thinned = f" ({self._thinned} progress and expert samples thinned out)" if self._thinned else ""
+            logger.warning("run store %s: disk has room again; wrote the %d writes held meanwhile%s",
+                           self.dir, len(self._pending), thinned)
+        self._pending.clear()
+        self._thinned = 0
+        self._thin_slack = 0
+        return True
+
+    def _thin(self) -> None:
+        """Bound the memory a long outage takes: every other held sample row (progress, experts) goes
+        — their series keep their shape at half the resolution — while instance, event and checkpoint
+        rows, which the costs and the history are read from, are all kept."""
+        if self._thinned == 0:
+            logger.warning("run store %s: %d writes held in memory; thinning the progress and expert samples "
+                           "among them until the disk has room", self.dir, len(self._pending))
+        kept, odd = [], False
+        for write in self._pending:
+            if write[2]:
+                odd = not odd
+                if not odd:
+                    self._thinned += 1
+                    continue
+            kept.append(write)
+        self._pending = kept
+        # rows that must stay (accounting) do not make every later write thin again
+        self._thin_slack = max(len(kept) - self.max_pending, 0) + self.max_pending // 2
+
+    def event(self, kind: str, instance_id: str | None = None, detail: Any = None, at: float | None = None) -> None:
+        text = detail if isinstance(detail, str) or detail is None else json.dumps(detail)
+        self._write("INSERT INTO events VALUES (?, ?, ?, ?)", (at or self.clock(), kind, instance_id, text))
+
+    def launched(self, rec: InstanceRecord) -> None:
+        self._write("INSERT INTO instances VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (rec.id, rec.node_type, rec.zone, rec.market, rec.price_per_hour,
+                     rec.on_demand_price_per_hour, rec.launched_at, None, None, None, rec.peer_id))
+        self.event("launch", rec.id, {"zone": rec.zone, "node_type": rec.node_type, "market": rec.market,
+                                      "price_per_hour": rec.price_per_hour}, at=rec.launched_at)
+
+    def update_instance(self, instance_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._write(f"UPDATE instances SET {sets} WHERE id = ?", (*fields.values(), instance_id))
+
+    def progress(self, epoch: int, loss: float | None, samples_per_second: float, peers: int, samples: int) -> None:
+        self._write("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
+                    (self.clock(), epoch, loss, samples_per_second, peers, samples), sample=True)
+
+    def expert_sample(self, live: int, grid: int, min_replicas: int, mean_replicas: float,
+                      requests_per_second: float | None, rows_per_batch: float | None, calls: int,
+                      kmin_fraction: float | None) -> None:
+        """One sample of a mixture-of-experts run's experts: how many of the grid are live, their
+        replicas, the servers' load, and the fraction of the trainers' forward passes that met k_min."""
+        self._write("INSERT INTO experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (self.clock(), live, grid, min_replicas, mean_replicas, requests_per_second,
+                     rows_per_batch, calls, kmin_fraction), sample=True)
+
+    def expert_rows(self) -> list[tuple]:
+        return self.db.execute("SELECT * FROM experts ORDER BY time").fetchall()
+
+    def checkpoint(self, epoch: int, path: Path) -> None:
+        self._write("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))
+
+    # ---- reading -------------------------------------------------------------------------------
+    def instances(self) -> list[InstanceRecord]:
+        rows = self.db.execute("SELECT * FROM instances ORDER BY launched_at").fetchall()
+        return [InstanceRecord(*row) for row in rows]
+
+    def events(self, kind: str | None = None) -> list[tuple]:
+        if kind is None:
+            return self.db.execute("SELECT * FROM events ORDER BY time").fetchall()
+        return self.db.execute("SELECT * FROM events WHERE kind = ? ORDER BY time", (kind,)).fetchall()
+
+    def progress_rows(self) -> list[tuple]:
+        return self.db.execute("SELECT * FROM progress ORDER BY time").fetchall()
+
+    def last_time(self) -> float | None:
+        """The newest moment the store heard about: an event, a progress row or an instance change."""
+        row = self.db.execute(
+            "SELECT MAX(t) FROM (SELECT MAX(time) AS t FROM events UNION ALL SELECT MAX(time) FROM progress"
+            " UNION ALL SELECT MAX(COALESCE(ended_at, notice_at, launched_at)) FROM instances)").fetchone()
+        return float(row[0]) if row and row[0] is not None else None
+
+    def close_lost_instances(self, at: float) -> list[str]:
+        """Instances still open from a supervisor that died with them (SIGKILL, power loss): they
+        end at ``at``, the last moment the store heard from that run, so their cost stops there
+        instead of growing for as long as the run stays stopped."""
+        ids = [r[0] for r in self.db.execute("SELECT id FROM instances WHERE ended_at IS NULL")]
+        for instance_id in ids:
+            self.update_instance(instance_id, ended_at=at, end_reason="lost")
+            self.event("lost", instance_id, at=at)
+        return ids
+
+    def latest_epoch(self) -> int:
+        row = self.db.execute("SELECT MAX(epoch) FROM progress").fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        rows = self.db.execute("SELECT epoch, path FROM checkpoints ORDER BY epoch DESC").fetchall()
+        for epoch, path in rows:
+            if Path(path).exists():
+                return int(epoch), Path(path)
+        return None
+
+
+@dataclass
+class CostSummary:
+    dollars: float
+    on_demand_dollars: float
+    instance_hours: float
+    samples: int
+    preemptions: int
+
+    @property
+    def savings(self) -> float:
+        return self.on_demand_dollars - self.dollars
+
+    @property
+    def dollars_per_million_samples(self) -> float | None:
+        return self.dollars / self.samples * 1e6 if self.samples else None
+
+
+def summarize_costs(store: RunStore, now: float | None = None) -> CostSummary:
+    """Dollars summed over every instance the run ever had, across every recovery; the on-demand
+    counterfactual prices the same instance-seconds at on-demand rates."""
+    now = now or store.clock()
+    instances = store.instances()
+    rows = store.db.execute("SELECT MAX(samples) FROM progress").fetchone()
+    return CostSummary(
+        dollars=sum(i.cost(now) for i in instances),
+        on_demand_dollars=sum(i.on_demand_cost(now) for i in instances),
+        instance_hours=sum(i.seconds(now) for i in instances) / 3600,
+        samples=int(rows[0] or 0),
+        preemptions=sum(1 for i in instances if i.end_reason == "preempted"),
+    )
