@@ -24,7 +24,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _ray_address(value: str) -> str:
     """argparse type of ``--address``: the rule of the YAML key ``ray.address``."""
-    from orchestrator.config.schema import check_ray_address
+    from orchestrator.config.validators import check_ray_address
 
     try:
         return check_ray_address(value)

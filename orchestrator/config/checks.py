@@ -15,7 +15,8 @@ from orchestrator.config.aws import aws_config_problems, aws_config_warnings
 from orchestrator.config.clouds import node_config_problems, provider_problem
 from orchestrator.config.gcp import gcp_config_problems, gcp_config_warnings
 from orchestrator.config.loader import ConfigError, Loc, at, describe, read_yaml
-from orchestrator.config.schema import ClusterConfig, strip_ray_launcher_keys
+from orchestrator.config.ray_keys import strip_ray_launcher_keys
+from orchestrator.config.schema import ClusterConfig
 
 logger = logging.getLogger(__name__)
 

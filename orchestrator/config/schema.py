@@ -6,20 +6,26 @@ expected; unknown keys are errors with a did-you-mean, so a typo never silently 
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 import math
-import re
-import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import pydantic
 
-from orchestrator.config.loader import ConfigError as ConfigError  # raised for this module's configs by config_checks
-from orchestrator.config.loader import Loc, ModelFlags, did_you_mean
+from orchestrator.config.loader import ConfigError as ConfigError  # raised for this module's configs by checks.py
+from orchestrator.config.loader import Loc, ModelFlags
+from orchestrator.config.validators import (
+    NAMESPACE,
+    AnnounceHost,
+    EndpointUrl,
+    Host,
+    RayAddress,
+    S3Uri,
+    split_zones,
+)
 from p2p.devices import DeviceName
 from workers.worker_config import BUILTIN_TASK_NAMES, WorkerConfig
 
@@ -28,110 +34,6 @@ logger = logging.getLogger(__name__)
 
 class _Strict(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
-
-
-_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"(?=.{{1,253}}\Z){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?")
-_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def check_host(value: str) -> str:
-    """An IP address or a hostname; raises ValueError naming what is wrong (a typo here would
-    otherwise surface as a peer that nobody can reach)."""
-    try:
-        ipaddress.ip_address(value)
-        return value
-    except ValueError:
-        pass
-    if re.fullmatch(r"[0-9.]+", value):  # looks like IPv4 but is not one: never a hostname
-        raise ValueError(f"{value!r} is not a valid IP address")
-    if not _HOSTNAME.fullmatch(value):
-        raise ValueError(f"{value!r} is neither an IP address nor a hostname")
-    return value
-
-
-def check_ray_address(value: str) -> str:
-    """``auto`` or ``HOST:PORT`` (IPv6 in brackets); raises ValueError naming what is wrong."""
-    if value == "auto":
-        return value
-    expected = "expected 'auto' or HOST:PORT, e.g. 10.0.0.5:6379"
-    if "://" in value:
-        raise ValueError(f"{value!r}: a URL (a Ray Client address?); {expected}, the head's GCS address")
-    if value.startswith("["):
-        host, sep, port = value[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"{value!r}: {expected}")
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{value!r}: {host!r} in brackets is not an IPv6 address") from None
-    else:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"{value!r}: {expected}")
-        if ":" in host:
-            raise ValueError(f"{value!r}: an IPv6 host goes in brackets, e.g. [::1]:6379")
-        try:
-            check_host(host)
-        except ValueError as e:
-            raise ValueError(f"{value!r}: {e}") from None
-    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{value!r}: port {port!r} is not a number from 1 to 65535")
-    return value
-
-
-def check_endpoint_url(value: str) -> str:
-    """An ``http://`` or ``https://`` URL with a host (an S3- or EC2-compatible endpoint, e.g. moto's)."""
-    try:
-        parts = urllib.parse.urlsplit(value)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and value.isprintable()
-        parts.port  # noqa: B018 - raises ValueError on a port that is not one
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{value!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:5000")
-    return value
-
-
-_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-
-def check_s3_uri(value: str) -> str:
-    """``s3://bucket`` or ``s3://bucket/prefix``, with S3's bucket naming rules."""
-    if not value.startswith("s3://"):
-        raise ValueError(f"{value!r}: only s3:// URIs are supported, e.g. s3://my-bucket/runs")
-    bucket, _, prefix = value.removeprefix("s3://").partition("/")
-    if not _S3_BUCKET.fullmatch(bucket):
-        raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name (3 to 63 lowercase letters, digits, "
-                         "dots and hyphens, starting and ending with a letter or digit)")
-    if not prefix.isprintable():
-        raise ValueError(f"{value!r}: the key prefix has a control character")
-    return value
-
-
-def check_announce_host(value: str) -> str:
-    """A host other peers can reach: an address or hostname, never a wildcard to listen on."""
-    check_host(value)
-    try:
-        wildcard = ipaddress.ip_address(value).is_unspecified
-    except ValueError:  # a hostname
-        wildcard = False
-    if wildcard:
-        raise ValueError(f"{value!r} is a wildcard to listen on; announce an address other peers can reach")
-    return value
-
-
-# checked strings for the config models: each check runs once, wherever the type is used
-Host = Annotated[str, pydantic.AfterValidator(check_host)]
-AnnounceHost = Annotated[str, pydantic.AfterValidator(check_announce_host)]
-RayAddress = Annotated[str, pydantic.AfterValidator(check_ray_address)]
-EndpointUrl = Annotated[str, pydantic.AfterValidator(check_endpoint_url)]
-S3Uri = Annotated[str, pydantic.AfterValidator(check_s3_uri)]
-
-
-def split_zones(value: str) -> list[str]:
-    """Ray's ``provider.availability_zone``, ``"us-east-1a,us-east-1b"``, as a list of zones."""
-    return [zone.strip() for zone in value.split(",")]
 
 
 class ProviderConfig(_Strict):
@@ -176,7 +78,7 @@ class ProviderConfig(_Strict):
             raise ValueError(f"only provider.type 'local' with provider.mode 'nodes' runs instances in network "
                              f"namespaces (here type {kind!r}, mode {mode!r})")
         for name in names:
-            if not _NAMESPACE.fullmatch(name) or name in (".", ".."):
+            if not NAMESPACE.fullmatch(name) or name in (".", ".."):
                 raise ValueError(f"{name!r} is not a network namespace name (letters, digits, '_', '.', '-')")
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -540,72 +442,3 @@ def spot_said_alike(config: ClusterConfig, market_of: Callable[[NodeType], str |
         elif "spot" in nt.model_fields_set and nt.spot:
             out.append((at + ("spot",), f"true and node_config.{key} say the same (spot); {twice}"))
     return out
-
-
-# ---- Ray cluster-launcher keys: accepted with a warning ---------------------------------------
-# Keys of Ray's cluster launcher (ray/autoscaler/ray-schema.json, and a few that Ray's AWS provider
-# and autoscaler read beyond it) that spotswarm does not use, by section, each with why.  A Ray YAML
-# loads: these are removed before validation, each with a warning; a key neither knows stays an error.
-_BOOT = "every instance runs spotswarm's boot script instead (see spotswarm bootstrap-script)"
-_SSH = "spotswarm does not SSH into instances or sync files to them"
-_SIZE = "the fleet follows each node type's min_workers and max_workers and the spot policy"
-_IGNORED = "ignored"
-RAY_LAUNCHER_KEYS: dict[str, dict[str, str]] = {
-    "": {  # top level
-        "auth": _SSH, "cluster_synced_files": _SSH, "docker": _BOOT, "file_mounts": _SSH,
-        "file_mounts_sync_continuously": _SSH, "head_setup_commands": _BOOT, "head_start_ray_commands": _BOOT,
-        "idle_timeout_minutes": _SIZE, "initialization_commands": _BOOT, "max_workers": _SIZE,
-        "metadata": _IGNORED, "no_restart": _BOOT, "rsync_exclude": _SSH, "rsync_filter": _SSH,
-        "setup_commands": _BOOT, "upscaling_speed": _SIZE, "worker_setup_commands": _BOOT,
-        "worker_start_ray_commands": _BOOT,
-    },
-    "provider": {
-        **dict.fromkeys((
-            "autoscaler_role", "autoscaler_role_binding", "autoscaler_service_account", "cloudwatch",
-            "disable_launch_config_check", "disable_node_updaters", "foreground_node_launch",
-            "head_ip", "location", "module", "msi_identity_id", "msi_identity_principal_id", "namespace",
-            "resource_group", "subnet_id", "subscription_id", "tags", "use_external_head_ip",
-            "use_internal_ips", "worker_ips", "worker_liveness_check"), _IGNORED),
-        "aws_credentials": "boto3 finds credentials as usual (environment, profile, instance role)",
-        "gcp_credentials": "google-auth finds credentials as usual (GOOGLE_APPLICATION_CREDENTIALS, gcloud's "
-                           "application-default login, the head's service account)",
-        "cache_stopped_nodes": "spotswarm terminates the instances it releases",
-        "key_pair": "set node_config.KeyName", "security_group": "set node_config.SecurityGroupIds",
-    },
-    "available_node_types.*": {
-        "docker": _BOOT, "idle_timeout_s": _SIZE, "initialization_commands": _BOOT, "labels": _IGNORED,
-        "priority": _SIZE, "worker_setup_commands": _BOOT,
-    },
-}
-
-
-def _without_ray_keys(section: Any, kind: str, where: Loc, model: type[pydantic.BaseModel],
-                      found: list[tuple[Loc, str]]) -> Any:
-    """A copy of ``section`` (a mapping) without Ray's launcher keys, each noted in ``found`` with its
-    reason.  Copied, not changed: a YAML alias may share one mapping between sections."""
-    if not isinstance(section, dict):
-        return section
-    known = RAY_LAUNCHER_KEYS[kind]
-    kept = {}
-    for key, value in section.items():
-        if not (isinstance(key, str) and key in known):
-            kept[key] = value
-            continue
-        found.append((where + (key,), f"Ray's cluster launcher key, not used by spotswarm: {known[key]}"
-                      + did_you_mean(key, model.model_fields, cutoff=0.8)))  # namespace -> namespaces
-    return kept
-
-
-def strip_ray_launcher_keys(data: dict) -> tuple[dict, list[tuple[Loc, str]]]:
-    """``data`` without the keys of Ray's cluster launcher that spotswarm does not use, and where
-    each was, with a warning message."""
-    found: list[tuple[Loc, str]] = []
-    data = _without_ray_keys(data, "", (), ClusterConfig, found)
-    if "provider" in data:
-        data["provider"] = _without_ray_keys(data["provider"], "provider", ("provider",), ProviderConfig, found)
-    types = data.get("available_node_types")
-    if isinstance(types, dict):
-        data["available_node_types"] = {
-            name: _without_ray_keys(nt, "available_node_types.*", ("available_node_types", name), NodeType, found)
-            for name, nt in types.items()}
-    return data, found

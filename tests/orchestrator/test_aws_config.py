@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.config.checks import load_cluster_config
+from orchestrator.config.ray_keys import RAY_LAUNCHER_KEYS
 from orchestrator.config.schema import (
-    RAY_LAUNCHER_KEYS,
     ClusterConfig,
     ConfigError,
     NodeType,
