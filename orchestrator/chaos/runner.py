@@ -39,7 +39,7 @@ from orchestrator.chaos import faults as chaos_faults
 from orchestrator.chaos.faults import Fault, FaultSkipped, Node
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.runs.chaos_report import FAULT_KINDS, PHASES, REPORT, RUN_PHASES, WORKER_PHASES
-from orchestrator.runs.checkpoints import checkpoint_directory, read_checkpoint
+from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
 from orchestrator.runs.invariants import (
     Violation,
     check_run,
@@ -434,7 +434,7 @@ class ChaosRun:
                 continue
             self._checked_checkpoints.add(path.name)
             try:
-                read_checkpoint(path)
+                checkpoint_epoch(path)
             except ValueError as e:
                 if path.exists():  # not rotated away while we read it
                     self.report.violate(Violation("checkpoints", str(e)))

@@ -12,15 +12,17 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.config.tags import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG
+from orchestrator.fleet.backoff import LaunchBackoff
+from orchestrator.fleet.budget import Budget
+from orchestrator.fleet.calls import Call, Calls
+from orchestrator.fleet.worker_control import HostsWorkers, WorkerControl
+from orchestrator.fleet.zones import PendingLaunch, ZoneChoice
 from orchestrator.providers.base import (
     CapacityError,
     Instance,
@@ -29,61 +31,9 @@ from orchestrator.providers.base import (
     PreemptionNotice,
     ProviderAuthError,
 )
-from orchestrator.runs.store import InstanceRecord, RunStore, summarize_costs
+from orchestrator.runs.store import InstanceRecord, RunStore
 
 logger = logging.getLogger(__name__)
-
-
-def _certifier_for(workers: Any, instance_id: str) -> Callable[[str], str | None] | None:
-    """The token hook of a worker the provider starts itself; None when membership is off."""
-    if getattr(workers, "certifier", None) is None:
-        return None
-    return lambda peer_id: workers.certify(instance_id, peer_id)
-
-
-class WorkerControl(Protocol):
-    """How the policy reaches the training peer on an instance (Ray actors in the supervisor)."""
-
-    def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
-        """Start the instance's worker on it; returns its peer id.  May block while it boots."""
-
-    def notify(self, instance: Instance, deadline_s: float) -> None:
-        """Forward a preemption notice (never blocks)."""
-
-    def activate(self, instance: Instance) -> None:
-        """Make a warm spare's worker train (never blocks; queued behind its boot if it is booting)."""
-
-    def poll_left(self, instance_ids: list[str]) -> list[str]:
-        """Which of these noticed instances' workers have left gracefully (never blocks)."""
-
-    def stop(self, instance: Instance) -> None:
-        """Make the worker leave gracefully (may block for its deadline)."""
-
-    def running(self, instance: Instance) -> dict | None:
-        """The running worker's ``peer_id`` and ``address``, or None (adoption after a restart)."""
-
-    # optional: ``poll_notices(instance_ids) -> list[PreemptionNotice]``, the notices the instances' own
-    # watchers saw (wall-clock times, source "instance"); never blocks; ``certify(instance_id, peer_id)
-    # -> token | None``, the membership token of a worker a provider starts itself; ``poll_dead(instance_ids)
-    # -> list[str]``, the instances whose worker died while the machine runs on (never blocks)
-
-
-@dataclass
-class _Pending:
-    node_type: str
-    zone: str
-    market: str
-    ready_at: float
-
-
-@dataclass
-class _Background:
-    """One call running on a pool: what it is for and the future of its result."""
-
-    kind: str  # "launch", "place", "adopt", "activate", "release"
-    instance_id: str
-    future: Future
-    detail: Any = None
 
 
 class FleetPolicy:
@@ -101,31 +51,31 @@ class FleetPolicy:
         self.worker_args = worker_args  # node type -> what its worker starts with (a trainer or an expert server)
         self.boot_script = boot_script
         self.to_real = to_real  # simulated seconds -> the workers' real seconds
-        self.pending: list[_Pending] = []
+        self.pending: list[PendingLaunch] = []
         self.live: dict[str, Instance] = {}
         self.noticed: set[str] = set()
         self.left: set[str] = set()
         self.spares: set[str] = set()  # warm spares (launched or launching): booted and joined, not training
-        self.preemptions: deque[tuple[float, str]] = deque()
+        self.zone_choice = ZoneChoice(config, provider)
+        self.preemptions = self.zone_choice.preemptions  # (when, zone), read by the policy's tests too
+        self.budget = Budget(config, store)
         self.budget_exhausted = False
         self.fatal: str | None = None  # a problem only a person can fix (credentials): the run stops
         self.status_text = "starting"
         self.fleet_log: list[str] = []  # one line per instance lost, for the operator's console
-        self._boot_failures = 0
-        self._launch_failures = 0
-        self._launch_not_before = float("-inf")
-        self._no_capacity: dict[tuple[str, str, str], float] = {}  # (node type, zone, market) -> until
+        self.backoff = LaunchBackoff()
         self._held_notices: list[PreemptionNotice] = []  # for instances whose launch is not collected yet
-        self._calls = ThreadPoolExecutor(max_calls, thread_name_prefix="provider")
-        self._polls = ThreadPoolExecutor(1, thread_name_prefix="provider-poll")  # never queued behind a launch
-        self._poll: Future | None = None
-        self._next_poll = float("-inf")
-        self._background: list[_Background] = []
+        self.calls = Calls(max_calls)
         self._next_index = self._first_free_index()
         self.log_dir: Path | None = None  # where each instance's worker logs (``<instance id>.log``); None: nowhere
         # called before the budget's release (the final checkpoint) with the real seconds it may take: half
         # of what the budget has left at the fleet's rate
         self.before_release: Callable[[float], None] | None = None
+        # a provider that starts each worker itself gets its arguments, fixed when the launch is asked
+        self.hosts_workers = isinstance(provider, HostsWorkers)
+        self._hosted_args: dict[str, dict[str, Any]] = {}
+        if self.hosts_workers:
+            provider.host_workers(self._hosted_args.pop, self._certify_hook())
 
     # ---- restart: adopt what the previous supervisor left running --------------------------------
     def adopt(self, lost_at: float | None = None, timeout: float = 120.0, head_changed: bool = False) -> list[str]:
@@ -134,13 +84,13 @@ class FleetPolicy:
         store heard from the run), and release instances the store never knew.  ``head_changed``:
         the run's Ray head is a new one, so machines that joined the old head can never run a
         worker for this supervisor; they are released too."""
-        listed = self._calls.submit(self.provider.list, {RUN_TAG: self.config.cluster_name}).result(timeout)
+        listed = self.calls.call(self.provider.list, {RUN_TAG: self.config.cluster_name}, timeout=timeout)
         known = {r.id: r for r in self.store.instances()}
         now = self.clock()
         adopted = []
         for inst in listed:
             record = known.get(inst.id)
-            if head_changed and not inst.hosts_worker:
+            if head_changed and not self.hosts_workers:
                 logger.warning("instance %s joined the run's previous Ray head; releasing it", inst.id)
                 if record is not None and record.ended_at is None:
                     self.store.update_instance(inst.id, ended_at=now, end_reason="orphaned")
@@ -156,7 +106,7 @@ class FleetPolicy:
             self.live[inst.id] = inst
             if record.notice_at is not None:
                 self.noticed.add(inst.id)
-            if not inst.hosts_worker:
+            if not self.hosts_workers:
                 self._submit("adopt", inst, self._ensure_worker, inst)
             self.store.event("adopted", inst.id)
             adopted.append(inst.id)
@@ -181,7 +131,7 @@ class FleetPolicy:
     @property
     def launching(self) -> int:
         """Launches asked of the provider and not answered yet."""
-        return sum(1 for b in self._background if b.kind == "launch")
+        return len(self.calls.of_kind("launch"))
 
     # ---- one tick --------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -198,15 +148,13 @@ class FleetPolicy:
         self._start_poll(now)
 
     def _start_poll(self, now: float) -> None:
-        if self._poll is None and time.monotonic() >= self._next_poll:
-            self._next_poll = time.monotonic() + self.provider.poll_interval_s
-            self._poll = self._polls.submit(lambda: (self.provider.poll_notices(now),
-                                                     self.provider.poll_terminated(now)))
+        self.calls.start_poll(lambda: (self.provider.poll_notices(now), self.provider.poll_terminated(now)),
+                              self.provider.poll_interval_s)
 
     def _collect_polls(self, now: float) -> None:
-        if self._poll is None or not self._poll.done():
+        poll = self.calls.finished_poll()
+        if poll is None:
             return
-        poll, self._poll = self._poll, None
         try:
             notices, terminated = poll.result()
         except Exception as e:
@@ -235,7 +183,7 @@ class FleetPolicy:
             self._take_notices(now, notices)
 
     def _take_notices(self, now: float, notices: list[PreemptionNotice]) -> None:
-        launching = {b.instance_id for b in self._background if b.kind == "launch"}
+        launching = {c.instance_id for c in self.calls.of_kind("launch")}
         notices, self._held_notices = self._held_notices + notices, []
         for notice in notices:
             inst = self.live.get(notice.instance_id)
@@ -313,12 +261,10 @@ class FleetPolicy:
     def _submit(self, kind: str, inst: Instance | LaunchSpec, fn: Callable[..., Any], *args: Any,
                 detail: Any = None) -> None:
         instance_id = inst.instance_id if isinstance(inst, LaunchSpec) else inst.id
-        self._background.append(_Background(kind, instance_id, self._calls.submit(fn, *args), detail))
+        self.calls.submit(kind, instance_id, fn, *args, detail=detail)
 
     def _collect_background(self) -> None:
-        done = [b for b in self._background if b.future.done()]
-        for b in done:
-            self._background.remove(b)
+        for b in self.calls.finished():
             try:
                 result = b.future.result()
             except Exception as e:
@@ -337,12 +283,11 @@ class FleetPolicy:
     def _placed(self, instance_id: str, peer_id: str) -> None:
         if peer_id:
             self.store.update_instance(instance_id, peer_id=peer_id)
-            self._boot_failures = 0
-            self._launch_failures = 0
+            self.backoff.worker_started()
             if instance_id in self.live:
                 self.live[instance_id].tags["peer_id"] = peer_id
 
-    def _failed(self, b: _Background, error: Exception) -> None:
+    def _failed(self, b: Call, error: Exception) -> None:
         if b.kind == "launch":
             spec: LaunchSpec = b.detail
             self.store.event("launch_failed", detail={"node_type": spec.node_type, "zone": spec.zone,
@@ -368,6 +313,7 @@ class FleetPolicy:
         """No capacity: that zone and market rest for a while (the next launch picks another zone,
         then on-demand).  Refused credentials: the run stops, nothing else will work.  Anything
         else: back off exponentially rather than hammer the API every tick."""
+        self._hosted_args.pop(spec.instance_id, None)
         now = self.clock()
         if isinstance(error, ProviderAuthError):
             self.fatal = str(error)
@@ -376,24 +322,18 @@ class FleetPolicy:
             logger.error("the cloud refused the run's credentials; stopping: %s", error)
             return
         if isinstance(error, CapacityError):
-            self._no_capacity[(spec.node_type, error.zone, error.market)] = now + self.no_capacity_s
+            self.zone_choice.no_capacity[(spec.node_type, error.zone, error.market)] = now + self.no_capacity_s
             self.store.event("no_capacity", detail={"node_type": spec.node_type, "zone": error.zone,
                                                     "market": error.market, "error": str(error)})
             return
-        self._launch_failures += 1
-        wait = min(self.boot_backoff_s * 2 ** (self._launch_failures - 1), 3600.0)
-        self._launch_not_before = max(self._launch_not_before, now + wait)
-        self.status_text = f"{self._launch_failures} launches in a row failed; next launch in {wait:.0f} s"
-
-    def _has_capacity(self, node_type: str, zone: str, market: str, now: float) -> bool:
-        until = self._no_capacity.get((node_type, zone, market))
-        return until is None or now >= until
+        wait = self.backoff.launch_failed(now)
+        self.status_text = f"{self.backoff.launch_failures} launches in a row failed; next launch in {wait:.0f} s"
 
     # ---- fleet -----------------------------------------------------------------------------------
     def _reconcile(self, now: float) -> None:
         """Keep at least min_workers and scale up to max_workers (plus the warm spares) while the budget
         allows."""
-        launching = [b.detail for b in self._background if b.kind == "launch"]
+        launching = [c.detail for c in self.calls.of_kind("launch")]
         for name, node_type in self.config.available_node_types.items():
             if name == self.config.head_node_type:
                 continue  # the head is the machine the supervisor runs on, not one of the fleet's
@@ -401,71 +341,32 @@ class FleetPolicy:
             have += sum(1 for p in self.pending if p.node_type == name)
             have += sum(1 for s in launching if s.node_type == name)
             while have < node_type.max_workers + node_type.warm_spares:
-                zone, market = self.choose_zone(name, now)
-                if not self._has_capacity(name, zone, market, now):
+                zone, market = self.zone_choice.choose(name, now)
+                if not self.zone_choice.has_capacity(name, zone, market, now):
                     self.status_text = f"no capacity for {name} in any zone; trying again shortly"
                     break
                 price = self.provider.price(name, zone, market)
-                if not self._affordable(price, now):
+                if not self.budget.allows(self._rate(), price, now):
                     if have < node_type.min_workers:
                         self.status_text = f"budget: cannot launch {name} (min_workers {node_type.min_workers})"
                     break
-                self.pending.append(_Pending(name, zone, market, now + self.provider.provisioning_delay))
+                self.pending.append(PendingLaunch(name, zone, market, now + self.provider.provisioning_delay))
                 self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market})
                 have += 1
 
-    def choose_zone(self, node_type: str, now: float) -> tuple[str, str]:
-        """The cheapest zone, penalized by its recent preemptions; on-demand after too many of them
-        (and back to spot once they leave the window), or when spot is above the price cap."""
-        spot = self.config.spot
-        while self.preemptions and now - self.preemptions[0][0] > spot.fallback_window_s:
-            self.preemptions.popleft()
-        window = [z for _, z in self.preemptions]
-        market = "spot" if spot.market == "spot" and self.config.available_node_types[node_type].spot else "on-demand"
-        every_zone = self.provider.zones or self.config.provider.zones
-        zones = [z for z in every_zone if self._has_capacity(node_type, z, market, now)]
-        if market == "spot" and spot.fallback_to_on_demand_after and len(window) >= spot.fallback_to_on_demand_after:
-            market = "on-demand"
-        if market == "spot" and spot.max_price_per_hour is not None:
-            zones = [z for z in zones if self.provider.price(node_type, z, "spot") <= spot.max_price_per_hour]
-        if market == "spot" and not zones:  # no spot anywhere (price cap, capacity): on-demand
-            market = "on-demand"
-            zones = [z for z in every_zone if self._has_capacity(node_type, z, market, now)]
-        if not zones:  # no capacity at all: the least recently refused zone is tried again first
-            zones = sorted(every_zone, key=lambda z: self._no_capacity.get((node_type, z, market), 0.0))[:1]
-
-        def score(zone: str) -> float:  # cheaper, and fewer recent preemptions, is better
-            return self.provider.price(node_type, zone, market) * (1 + 0.5 * window.count(zone))
-
-        return min(zones, key=score), market
-
     def _rate(self) -> float:
-        launching = [b.detail for b in self._background if b.kind == "launch"]
+        launching = [c.detail for c in self.calls.of_kind("launch")]
         return (sum(i.price_per_hour for i in self.live.values())
                 + sum(self.provider.price(p.node_type, p.zone, p.market) for p in self.pending)
                 + sum(self.provider.price(s.node_type, s.zone, s.market) for s in launching))
 
-    def _affordable(self, price: float, now: float) -> bool:
-        budget = self.config.budget
-        rate = self._rate()
-        if budget.max_dollars_per_hour is not None and rate + price > budget.max_dollars_per_hour + 1e-9:
-            return False
-        if budget.max_total_dollars is not None:
-            spent = summarize_costs(self.store, now).dollars
-            horizon_h = max(self.config.checkpoint.every_s, 60.0) / 3600  # room to notice and stop in time
-            if spent + (rate + price) * horizon_h > budget.max_total_dollars:
-                return False
-        return True
-
     def _enforce_budget(self, now: float) -> None:
-        total = self.config.budget.max_total_dollars
-        if total is None or self.budget_exhausted:
+        if self.budget_exhausted:
             return
         rate = sum(i.price_per_hour for i in self.live.values())
-        spent = summarize_costs(self.store, now).dollars
-        # stop while there is still room for the instances' next ticks of spending
-        margin = rate * self.spend_margin_s / 3600
-        if spent + margin >= total:
+        spent = self.budget.exhausted(rate, self.spend_margin_s, now)
+        if spent is not None:
+            total = self.config.budget.max_total_dollars
             self.budget_exhausted = True
             self.status_text = f"budget exhausted: ${spent:.4f} of ${total:.2f}; instances released"
             self.store.event("budget_exhausted", detail={"spent": spent, "max_total_dollars": total})
@@ -482,23 +383,22 @@ class FleetPolicy:
                 self._submit("release", inst, self._release, inst)
 
     def _boot_failed(self, now: float) -> None:
-        """An instance died before its worker ran (a broken image or boot script, a full disk):
-        back off exponentially instead of buying machines as fast as they fail.  One such death
-        alone (a machine reclaimed or killed while booting) is relaunched at once."""
-        self._boot_failures += 1
-        if self._boot_failures == 1:
+        """An instance died before its worker ran: ``LaunchBackoff`` says when to launch again."""
+        wait = self.backoff.boot_failed(now)
+        if wait is None:
             return
-        wait = min(self.boot_backoff_s * 2 ** (self._boot_failures - 2), 3600.0)
-        self._launch_not_before = now + wait
-        self.status_text = (f"{self._boot_failures} instances in a row died while booting; "
-                            f"next launch in {wait:.0f} s")
-        self.store.event("boot_backoff", detail={"failures": self._boot_failures, "wait_s": wait})
-
-    #: clock seconds before a relaunch after a second instance in a row died while booting (then doubling)
-    boot_backoff_s: float = 30.0
+        failures = self.backoff.boot_failures
+        self.status_text = f"{failures} instances in a row died while booting; next launch in {wait:.0f} s"
+        self.store.event("boot_backoff", detail={"failures": failures, "wait_s": wait})
 
     #: clock seconds of spending the budget check keeps in reserve (a few ticks of the supervisor)
     spend_margin_s: float = 0.0
+
+    def _certify_hook(self) -> Callable[[str, str], str | None] | None:
+        """The membership token of a worker its provider starts itself; None when membership is off."""
+        if getattr(self.workers, "certifier", None) is None:
+            return None
+        return lambda instance_id, peer_id: self.workers.certify(instance_id, peer_id)  # type: ignore[attr-defined]
 
     def _first_free_index(self) -> int:
         """Instance ids continue after every id the run ever used, across restarts."""
@@ -506,7 +406,7 @@ class FleetPolicy:
         return max(used, default=-1) + 1
 
     def _launch_due(self, now: float) -> None:
-        if now < self._launch_not_before:
+        if not self.backoff.may_launch(now):
             return
         for p in [p for p in self.pending if p.ready_at <= now]:
             self.pending.remove(p)
@@ -519,15 +419,16 @@ class FleetPolicy:
                               tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
                                     NODE_TYPE_TAG: p.node_type},
                               node_config=dict(node_type.node_config), resources=dict(node_type.resources),
-                              sequence=index, worker_args=self._worker_args_of(instance_id, p.node_type),
-                              certify=_certifier_for(self.workers, instance_id))
+                              sequence=index)
+            if self.hosts_workers:
+                self._hosted_args[instance_id] = self._worker_args_of(instance_id, p.node_type)
             spec.boot_script = self.boot_script(spec)
             # once: cloud providers retry transient errors themselves, and a failure backs off
             self._submit("launch", spec, self.provider.launch, spec, detail=spec)
 
     def _trainers(self, node_type: str) -> int:
         """Instances of the type that train or will: live or launching, neither noticed nor spares."""
-        launching = [b.detail for b in self._background if b.kind == "launch"]
+        launching = [c.detail for c in self.calls.of_kind("launch")]
         live = sum(1 for i in self.live.values() if i.node_type == node_type and i.id not in self.noticed
                    and i.id not in self.spares)
         return live + sum(1 for s in launching if s.node_type == node_type and s.instance_id not in self.spares)
@@ -547,7 +448,7 @@ class FleetPolicy:
 
     def _launched(self, inst: Instance, place: bool = True) -> None:
         self.live[inst.id] = inst
-        self._launch_failures = 0
+        self.backoff.launched()
         od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
         self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
                                            od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
@@ -561,7 +462,7 @@ class FleetPolicy:
         if self.budget_exhausted:  # the budget ran out while this launch was in flight
             self._ended(inst.id, "budget")
             self._submit("release", inst, self._release, inst)
-        elif place and not inst.hosts_worker:
+        elif place and not self.hosts_workers:
             self._submit("place", inst, self.workers.place, inst, self._worker_args_of(inst.id, inst.node_type))
 
     def _release(self, inst: Instance) -> None:
@@ -575,24 +476,23 @@ class FleetPolicy:
     def release_all(self, timeout: float = 120.0) -> None:
         """Release every instance (gracefully, concurrently) and wait for the calls to finish."""
         self.pending.clear()
-        for b in [b for b in self._background if b.kind == "launch"]:
+        for b in self.calls.of_kind("launch"):
             try:  # a launch in flight becomes an instance we must release too
                 self._launched(b.future.result(timeout=timeout), place=False)
             except Exception as e:
                 logger.warning("a launch in flight failed while stopping: %s", e)
-            self._background.remove(b)
+            self.calls.running.remove(b)
         for inst in list(self.live.values()):
             self._ended(inst.id, "released")
             self._submit("release", inst, self._release, inst)
-        for b in list(self._background):
+        for b in list(self.calls.running):
             try:
                 b.future.result(timeout=timeout)
             except Exception as e:
                 logger.warning("%s of %s failed while stopping: %s", b.kind, b.instance_id, e)
-        self._background.clear()
+        self.calls.running.clear()
 
     def shutdown(self) -> None:
         """Stop the pools (after ``release_all``, or to leave the instances for the next supervisor)."""
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        self._polls.shutdown(wait=False, cancel_futures=True)
+        self.calls.shutdown()
         self.provider.shutdown()

@@ -17,16 +17,15 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from dht import DHT, SignatureValidator
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.fleet.authority import Certifier, run_authority
+from orchestrator.fleet.checkpointer import Checkpointer
 from orchestrator.fleet.experts import ExpertFleet
 from orchestrator.fleet.policy import FleetPolicy
 from orchestrator.fleet.registry import make_provider
@@ -35,7 +34,6 @@ from orchestrator.instance.actor import announce_host
 from orchestrator.instance.notices import instance_watch
 from orchestrator.providers.base import Instance, LaunchSpec
 from orchestrator.providers.bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
-from orchestrator.runs.checkpoints import checkpoint_directory, read_checkpoint
 from orchestrator.runs.durable import BackgroundArchiver, RunArchive
 from orchestrator.runs.logs import SUPERVISOR_LOG, log_dir, log_path, log_to_file, stop_logging
 from orchestrator.runs.store import RunStore
@@ -88,9 +86,9 @@ class SupervisorCore:
         self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(n, config.cluster_name,
                                                                                  config.training.target_batch_size,
                                                                                  signer)))
-        self.checkpoint_state: tuple[int, Any] | None = None
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
-                                                             self._serve_checkpoint))
+                                                             lambda: self.checkpoints.serve()))
+        self.checkpoints = Checkpointer(config, self.store, self.dht, self.state, self.archiver, self.clock)
         self.policy = FleetPolicy(config, make_provider(config, self.clock, run_dir), self.clock, self.store,
                                   self._worker_control(), self._worker_args, boot_script=self._boot_script,
                                   to_real=self.clock.to_real)
@@ -99,19 +97,16 @@ class SupervisorCore:
         self.policy.before_release = self._final_checkpoint  # the budget's release waits for it
         self._final_taken = False
         self.experts = ExpertFleet(config, self.store, lambda: self.policy.live, lambda: self.policy.noticed,
-                                   self.policy.workers.handle, self._checkpoint_dir(), self.clock,
+                                   self.policy.workers.handle, self.checkpoints.directory, self.clock,
                                    archive=(lambda d: self.archiver.submit(experts=d)) if self.archiver else None) \
             if config.uses_experts() else None
         self.epoch = self.store.latest_epoch()
         self._first_seen: dict[str, int] = {}  # instance id -> the epoch its peer first reported
-        self._last_checkpoint = self.clock()
-        # a checkpoint's state download (donor after donor) and file write run here, never in the tick
-        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._checkpointing: Future | None = None
-        self._last_advert = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._load_checkpoint()
+        loaded = self.checkpoints.load()
+        if loaded is not None:
+            self.epoch = max(self.epoch, loaded)
         self.dashboard: Any = None
         adopted = self.policy.adopt(lost_at=last, head_changed=self._head_changed())
         if adopted:
@@ -261,10 +256,7 @@ class SupervisorCore:
         if release:
             self.store.event("stopping")  # where a stop's time starts (the final checkpoint is part of it)
         self._halt()
-        self._checkpointer.shutdown(wait=True, cancel_futures=True)  # a download in flight ends within its timeouts
-        job = self._checkpointing
-        if job is not None and job.done() and not job.cancelled():
-            self._record_checkpoint(job)
+        self.checkpoints.close()
         if release:
             self._final_checkpoint()  # before any instance is released: the peers hold the newest state
             if self.experts is not None:
@@ -293,8 +285,8 @@ class SupervisorCore:
             self.experts.tick()
         self._renew_certificates()
         self._record_progress()
-        self._maybe_checkpoint(now)
-        self._refresh_advert(now)
+        self.checkpoints.maybe(now, start=not self._stop.is_set())
+        self.checkpoints.refresh_advert()
 
     def _renew_certificates(self) -> None:
         """Members' certificates with half their lifetime left get fresh ones (never waits on a worker)."""
@@ -339,62 +331,6 @@ class SupervisorCore:
                 self._first_seen[instance_id] = -1
                 self.store.event("first_step", instance_id, {"epoch": record.epoch})
 
-    def _maybe_checkpoint(self, now: float) -> None:
-        """Start a checkpoint every ``every_s`` on the checkpoint thread; record a finished one."""
-        job = self._checkpointing
-        if job is not None:
-            if job.done():
-                self._checkpointing = None
-                self._record_checkpoint(job)
-            return
-        if now - self._last_checkpoint < self.config.checkpoint.every_s or self._stop.is_set():
-            return
-        self._last_checkpoint = now
-        have = self.checkpoint_state[0] if self.checkpoint_state else -1
-        self._checkpointing = self._checkpointer.submit(self._write_checkpoint, have + 1)
-
-    def _write_checkpoint(self, min_epoch: int) -> tuple[int, Any, Path]:
-        """The newest state from the peers, written to its file (the checkpoint thread)."""
-        epoch, state = self.dht.run_coroutine(lambda n: self.state.download(min_epoch=min_epoch))
-        return epoch, state, self._save_checkpoint(epoch, state)
-
-    def _save_checkpoint(self, epoch: int, state: Any) -> Path:
-        """``state`` written atomically as the checkpoint of ``epoch``; its path."""
-        directory = self._checkpoint_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"epoch-{epoch:06d}.pt"
-        tmp = path.with_suffix(".tmp")
-        try:
-            torch.save({"epoch": epoch, "state": state}, tmp)
-            tmp.replace(path)  # atomic: a crash never leaves a half-written checkpoint behind
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk's partial file would keep it full
-            raise
-        return path
-
-    def _record_checkpoint(self, job: Future) -> None:
-        try:
-            epoch, state, path = job.result()
-        except StateUnavailable as e:
-            logger.info("no newer state to checkpoint: %s", e)
-            if self.archiver is not None:
-                self.archiver.retry()  # what an earlier upload left owed
-            return
-        except Exception as e:  # a full disk, a peer gone mid-download: the next period tries again
-            logger.warning("checkpoint failed: %s: %s", type(e).__name__, e)
-            return
-        self._keep_checkpoint(epoch, state, path)
-
-    def _keep_checkpoint(self, epoch: int, state: Any, path: Path, final: bool = False) -> None:
-        """A written checkpoint: served from now on, recorded, the oldest pruned, archived."""
-        self.checkpoint_state = (epoch, state)
-        self.store.checkpoint(epoch, path)
-        self.store.event("checkpoint", detail={"epoch": epoch, "path": str(path), **({"final": True} if final else {})})
-        for old in sorted(path.parent.glob("epoch-*.pt"))[: -self.config.checkpoint.keep]:
-            old.unlink(missing_ok=True)
-        if self.archiver is not None:
-            self.archiver.submit(path)  # on the upload thread: the tick never waits on S3
-
     # ---- the final checkpoint of a clean stop --------------------------------------------------
     def _final_checkpoint(self, within_s: float | None = None) -> None:
         """The newest state at the stop, checkpointed before any instance is released: the trainers
@@ -414,7 +350,7 @@ class SupervisorCore:
         # three quarters for the rounds in flight to finish, the rest for the download
         records = self.policy.workers.stop_stepping(trainers, 0.75 * timeout) if trainers else {}
         self._record_progress()  # what the view holds now; the peers' own answers follow
-        have = self.checkpoint_state[0] if self.checkpoint_state is not None else None
+        have = self.checkpoints.epoch
         stopped_at = max([r["epoch"] for r in records.values()] + [self.epoch])
         try:
             if not records:
@@ -430,7 +366,7 @@ class SupervisorCore:
                 raise TimeoutError(f"no time left of {timeout:g} s")
             epoch, state = self.dht.run_coroutine(
                 lambda n: asyncio.wait_for(self.state.download_from(donors, min_epoch=newest), left))
-            path = self._save_checkpoint(epoch, state)
+            path = self.checkpoints.save(epoch, state)
         except Exception as e:  # noqa: BLE001 - no peer in time, a full disk: the stop goes on regardless
             why = str(e) or type(e).__name__
             logger.warning("final checkpoint missed (%s); the last checkpoint is of epoch %s, the run stopped at "
@@ -439,7 +375,7 @@ class SupervisorCore:
                 "epoch": stopped_at, "checkpoint_epoch": have, "epochs_behind": stopped_at - (have or 0),
                 "reason": why[:500], "seconds": round(time.monotonic() - started, 3)})
             return
-        self._keep_checkpoint(epoch, state, path, final=True)
+        self.checkpoints.keep(epoch, state, path, final=True)
         if epoch > self.epoch:  # the peers' last step, not in the view yet: the run's epoch is this one
             losses = [r["loss"] for r in records.values() if r.get("loss") is not None]
             last = self.store.progress_rows()
@@ -453,50 +389,6 @@ class SupervisorCore:
             "peers": {i: {"epoch": r["epoch"], "params": r["params"], "settled": r["settled"]}
                       for i, r in records.items()}})
 
-    def _checkpoint_dir(self) -> Path:
-        return checkpoint_directory(self.config, self.store.dir)
-
-    def _newest_checkpoint(self) -> tuple[int, Path] | None:
-        """The newest checkpoint the store knows, or a newer file in the checkpoint directory: a run
-        restored from its archive may hold a checkpoint its history snapshot was saved too early to
-        list (the head died between the two uploads).  Such a file is recorded, so the store agrees."""
-        latest = self.store.latest_checkpoint()
-        files = sorted(f for f in self._checkpoint_dir().glob("epoch-*.pt") if f.stem[6:].isdigit())
-        if files:
-            newest = files[-1]
-            epoch = int(newest.stem[6:])
-            if latest is None or epoch > latest[0]:
-                logger.info("checkpoint %s is newer than the run's history lists; using it", newest)
-                self.store.checkpoint(epoch, newest)
-                return epoch, newest
-        return latest
-
-    def _load_checkpoint(self) -> None:
-        latest = self._newest_checkpoint()
-        if latest is None:
-            return
-        epoch, path = latest
-        try:
-            self.checkpoint_state = read_checkpoint(path)
-        except ValueError as e:  # the run goes on without it: the peers still hold their state
-            logger.error("%s; not serving it", e)
-            self.store.event("checkpoint_refused", detail={"path": str(path), "error": str(e)[:500]})
-            return
-        self.epoch = max(self.epoch, epoch)
-        logger.info("serving checkpoint of epoch %d from %s", epoch, path)
-
-    def _serve_checkpoint(self) -> tuple[int, Any]:
-        if self.checkpoint_state is None:
-            raise StateUnavailable("no checkpoint yet")
-        return self.checkpoint_state
-
-    def _refresh_advert(self, now: float) -> None:
-        if self.checkpoint_state is None or time.monotonic() - self._last_advert < 20:
-            return
-        self._last_advert = time.monotonic()
-        epoch = self.checkpoint_state[0]
-        self.dht.spawn(lambda n: self.state.advertise(epoch))  # the tick does not wait on the DHT
-
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
         """What the fleet is doing; the run's figures are ``figures.py``'s, read from the store."""
@@ -508,8 +400,8 @@ class SupervisorCore:
             "address": self.address, "budget_exhausted": policy.budget_exhausted, "fatal": policy.fatal,
             "fleet_events": policy.fleet_log[-50:], "fleet_events_total": len(policy.fleet_log),
             "experts": self.experts.summary() if self.experts is not None else None,
-            "phase": "checkpoint write" if self._checkpointing is not None and not self._checkpointing.done()
-            else "idle", "pending_writes": self.store.pending_writes,
+            "phase": "checkpoint write" if self.checkpoints.writing() else "idle",
+            "pending_writes": self.store.pending_writes,
         }
 
 

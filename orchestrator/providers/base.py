@@ -38,9 +38,6 @@ class LaunchSpec:
     resources: dict[str, float] = field(default_factory=dict)
     sequence: int = 0  # the run's launch number (0, 1, ...): a replayed trace's row for this instance
     boot_script: str | None = None  # what the machine runs at boot: joins the run's Ray cluster
-    worker_args: dict[str, Any] = field(default_factory=dict)  # for providers that host the worker themselves
-    # for those providers too: the run's membership token for the worker's peer id (None: membership off)
-    certify: Callable[[str], str | None] | None = None
 
 
 @dataclass
@@ -53,7 +50,6 @@ class Instance:
     launched_at: float
     tags: dict[str, str] = field(default_factory=dict)
     handle: Any = None  # provider-specific: a cloud's own id, a process group, a Ray actor
-    hosts_worker: bool = False  # the provider started the worker itself (the light local simulator)
 
 
 @dataclass

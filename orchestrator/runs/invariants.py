@@ -21,7 +21,7 @@ import psutil
 from orchestrator.runs.figures import cost_breakdown
 from orchestrator.runs.logs import LOG_DIR, SUPERVISOR_LOG, log_files
 from orchestrator.runs.store import RunStore, summarize_costs
-from orchestrator.runs.checkpoints import checkpoint_directory, read_checkpoint
+from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
 
 COST_TOLERANCE = 1e-9  # dollars: the breakdown and the total are the same sums in another order
 TRACEBACK = "Traceback (most recent call last):"
@@ -84,7 +84,7 @@ def check_checkpoints(run_dir: Path) -> tuple[list[Violation], int]:
     out, files = [], sorted(checkpoint_directory(RunStore.read_config(run_dir), run_dir).glob("epoch-*.pt"))
     for path in files:
         try:
-            read_checkpoint(path)
+            checkpoint_epoch(path)
         except ValueError as e:
             out.append(Violation("checkpoints", str(e)))
     return out, len(files)

@@ -14,7 +14,7 @@ import csv
 import logging
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -113,7 +113,7 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         self.instances: dict[str, Instance] = {}
         self.processes: dict[str, psutil.Process] = {}  # bound to the pid and its start time: never a reused pid
         self.starting: dict[str, Any] = {}  # instance id -> ObjectRef of the worker's start
-        self.identifying: dict[str, tuple[Any, LaunchSpec]] = {}  # -> (ObjectRef of its peer id, spec)
+        self.identifying: dict[str, tuple[Any, dict]] = {}  # -> (ObjectRef of its peer id, worker args)
         self.failed: set[str] = set()
         self.workers: dict[str, psutil.Process] = {}  # the worker's own process, when forked from the image
         self.image: WarmImage | None = None
@@ -121,6 +121,14 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
             from orchestrator.instance.warm_image import WarmImage
 
             self.image = WarmImage()
+        self.worker_args: Callable[[str], dict[str, Any]] = lambda instance_id: {}
+        self.certify: Callable[[str, str], str | None] | None = None
+
+    def host_workers(self, worker_args: Callable[[str], dict[str, Any]],
+                     certify: Callable[[str, str], str | None] | None) -> None:
+        """Each instance is its worker's own actor, so the launch starts the worker: with these arguments,
+        and, when membership is on, a token for the peer id the actor made."""
+        self.worker_args, self.certify = worker_args, certify
 
     def launch(self, spec: LaunchSpec) -> Instance:
         from orchestrator.instance.actor import spawn_worker
@@ -130,14 +138,15 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
                              image=self.image.path if self.image is not None else None)
         # returns at once (billing starts now, as on a cloud); the worker boots in the background, once
         # its certificate (issued for the peer id the actor made) is there when membership is on
-        if spec.certify is None:
-            self.starting[spec.instance_id] = actor.start.remote(spec.worker_args)
+        args = self.worker_args(spec.instance_id)
+        if self.certify is None:
+            self.starting[spec.instance_id] = actor.start.remote(args)
         else:
-            self.identifying[spec.instance_id] = (actor.peer_id.remote(), spec)
+            self.identifying[spec.instance_id] = (actor.peer_id.remote(), args)
         now = self.clock()
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
                         self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags),
-                        handle=actor, hosts_worker=True)
+                        handle=actor)
         self.instances[spec.instance_id] = inst
         self.schedule(spec, now)
         return inst
@@ -150,12 +159,12 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in ready:
             instance_id = refs[ref]
-            _, spec = self.identifying.pop(instance_id)
+            _, worker_args = self.identifying.pop(instance_id)
             inst = self.instances.get(instance_id)
             try:
                 peer_id = ray.get(ref)
-                assert spec.certify is not None
-                args = {**spec.worker_args, "membership_token": spec.certify(peer_id)}
+                assert self.certify is not None
+                args = {**worker_args, "membership_token": self.certify(instance_id, peer_id)}
             except Exception as e:
                 logger.warning("instance %s failed to start: %s", instance_id, e)
                 self.failed.add(instance_id)

@@ -168,7 +168,7 @@ def refusal_stops_the_run(policy: FleetPolicy, launches: Callable[[], int]) -> s
     """Ticks until a refusal (the credentials, their permissions) stops the run, which then holds no
     instance and tries no launch (``launches`` counts them); the run's fatal message."""
     # launches already in flight when the refusal came end too (refused, or released as they land)
-    tick_until(policy, lambda p: p.fatal is not None and p.launching == 0 and not p._background,
+    tick_until(policy, lambda p: p.fatal is not None and p.launching == 0 and not p.calls.running,
                "the refusal never stopped the run")
     assert policy.live == {} and policy.launching == 0
     asked = launches()
@@ -316,7 +316,7 @@ def assert_stop_lost_nothing(run_dir: Path) -> tuple[int, str]:
     periodic one, whose parameters are bit-equal to those its peers stopped with (each peer hashed its
     own in its process); the newest checkpoint on record, which ``resume`` starts from.  Its epoch and
     parameter digest."""
-    from orchestrator.runs.checkpoints import read_checkpoint
+    from orchestrator.runs.checkpoint_io import read_checkpoint
     from workers.state import params_digest
 
     stop = last_stop(run_dir)

@@ -16,7 +16,7 @@ import torch
 from orchestrator.chaos import disk as chaos_disk
 from orchestrator.runs import figures
 from orchestrator.runs import pid as run_pid
-from orchestrator.runs.checkpoints import read_checkpoint
+from orchestrator.runs.checkpoint_io import read_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -263,11 +263,11 @@ def wait_until(condition: Callable[[], bool], deadline: float, what: str) -> Non
 
 
 def poll_done(policy: FleetPolicy) -> bool:
-    return policy._poll is None or policy._poll.done()
+    return policy.calls.poll_done()
 
 
 def calls_done(policy: FleetPolicy) -> bool:
-    return poll_done(policy) and all(b.future.done() for b in policy._background)
+    return policy.calls.all_done()
 
 
 def state(policy: FleetPolicy) -> tuple:
@@ -289,7 +289,7 @@ def settle(policy: FleetPolicy, timeout: float = SETTLE_S) -> int:
         ticks += 1
         wait_until(lambda: calls_done(policy), deadline, "the policy's provider calls")
         after = state(policy)
-        if after == before and not policy._background:
+        if after == before and not policy.calls.running:
             return ticks
         before = after
         if time.monotonic() > deadline:
