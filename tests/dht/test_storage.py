@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 from dht.storage import Entry, Storage, merge_entries
+from tests.fakes.clock import FakeClock
 
 
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(clock: Clock, **kw) -> Storage:
+def make(clock: FakeClock, **kw) -> Storage:
     return Storage(clock=clock, clock_drift=0.0, **kw)
 
 
 def test_later_expiration_wins_and_ties_are_deterministic():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock)
     assert s.store(1, b"k", None, b"a", 1010)
     assert not s.store(1, b"k", None, b"b", 1005)  # older: refused
@@ -36,7 +29,7 @@ def test_later_expiration_wins_and_ties_are_deterministic():
 
 
 def test_expired_records_vanish_and_expired_stores_are_refused():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock)
     assert s.store(1, b"k", None, b"v", 1001)
     assert not s.store(2, b"k2", None, b"v", 999)
@@ -45,7 +38,7 @@ def test_expired_records_vanish_and_expired_stores_are_refused():
 
 
 def test_subkeys_merge_and_expire_independently():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock)
     assert s.store(1, b"k", b"a", b"1", 1010)
     assert s.store(1, b"k", b"b", b"2", 1020)
@@ -56,7 +49,7 @@ def test_subkeys_merge_and_expire_independently():
 
 
 def test_a_live_dictionary_beats_any_plain_value():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock)
     s.store(1, b"k", b"a", b"1", 1010)
     assert not s.store(1, b"k", None, b"plain", 1009)
@@ -73,7 +66,7 @@ def test_replicas_converge_on_plain_and_dictionary_records_in_any_order():
     records = [(None, b"p", 1020.0), (b"a", b"1", 1010.0), (None, b"q", 1030.0), (b"b", b"2", 1005.0)]
     views = []
     for order in (records, records[::-1], records[1:] + records[:1]):
-        st = make(Clock())
+        st = make(FakeClock())
         for sk, v, exp in order:
             st.store(1, b"k", sk, v, exp)
         views.append(st.get(1))
@@ -83,7 +76,7 @@ def test_replicas_converge_on_plain_and_dictionary_records_in_any_order():
 
 
 def test_expirations_too_far_ahead_are_refused():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock, max_expiration=100)
     assert not s.store(1, b"k", None, b"v", 1101)
     assert not s.store(1, b"k", b"sub", b"v", 1101)
@@ -91,7 +84,7 @@ def test_expirations_too_far_ahead_are_refused():
 
 
 def test_a_key_is_bounded_in_subkeys_and_bytes():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock, max_subkeys=3, max_key_total_bytes=40)
     for i in range(3):
         assert s.store(1, b"k", b"s%d" % i, b"v", 1010)
@@ -109,7 +102,7 @@ def test_merge_entries_is_order_independent():
 
 
 def test_capacity_evicts_the_soonest_expiring_record():
-    clock = Clock()
+    clock = FakeClock()
     s = make(clock, max_records=3)
     for i, exp in enumerate([1050, 1010, 1030]):
         s.store(i, b"k%d" % i, None, b"v", exp)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig, ConfigError
+from tests.fakes.workers import FakeWorkers
 
 if TYPE_CHECKING:
     from orchestrator.fleet.policy import FleetPolicy
@@ -116,28 +117,6 @@ def shipped_yaml(tmp_path: Path, name: str, endpoint: str) -> Path:
 
 
 # ---- the fleet policy with no workers: tests about the cloud ---------------------------------------
-class RecordingWorkers:
-    """The policy's worker control with no workers behind it (these tests are about the cloud)."""
-
-    def place(self, instance, worker_args) -> str:
-        return f"peer-{instance.id}"
-
-    def notify(self, instance, deadline_s) -> None:
-        pass
-
-    def activate(self, instance) -> None:
-        pass
-
-    def poll_left(self, instance_ids) -> list[str]:
-        return []
-
-    def stop(self, instance) -> None:
-        pass
-
-    def running(self, instance) -> dict | None:
-        return None
-
-
 def tick_until(policy: FleetPolicy, until: Callable[[FleetPolicy], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not until(policy):
@@ -154,7 +133,7 @@ def fleet_policy(config: ClusterConfig, provider_cls: Callable, live: int = 0) -
     from orchestrator.runs.store import RunStore
 
     policy = FleetPolicy(config, provider_cls(config, time.time), time.time, RunStore.create(config),
-                         RecordingWorkers(), lambda node_type: {})
+                         FakeWorkers(), lambda node_type: {})
     try:
         if live:
             tick_until(policy, lambda p: len(p.live) == live, "policy did not get there")

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,11 @@ import pytest
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.config.tags import RUN_TAG
 from orchestrator.fleet.policy import FleetPolicy
-from orchestrator.providers.base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from orchestrator.providers.base import Instance
 from orchestrator.runs.store import RunStore, summarize_costs
+from tests.fakes.clock import FakeClock
+from tests.fakes.provider import FakeProvider
+from tests.fakes.workers import FakeWorkers
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,152 +35,6 @@ NODE = "gpu"
 ZONES = ["a", "b", "c"]
 SETTLE_S = 5.0  # bound on waiting for the policy's pools; the calls themselves take microseconds
 
-
-class FakeClock:
-    """The supervisor's clock, advanced by hand so that windows and spending are exact."""
-
-    def __init__(self, now: float = START) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
-
-
-class FakeProvider(NodeProvider):
-    """An in-memory cloud.  With ``hang`` set, a launch blocks until ``gate`` is set, like an API
-    that stops answering; preemptions are whatever the test queues with ``notice`` and ``kill``."""
-
-    provisioning_delay = 0.0
-
-    def __init__(self, clock: FakeClock, prices: dict[tuple[str, str, str], float]) -> None:
-        self.clock = clock
-        self.prices = prices
-        self.hang = False
-        self.gate = threading.Event()
-        self.specs: list[LaunchSpec] = []  # every launch asked for, in order
-        self.hanging: set[str] = set()  # launches blocked on the gate right now
-        self.instances: dict[str, Instance] = {}  # live, as the cloud sees them
-        self.terminated: list[str] = []
-        self.shutdowns = 0
-        self._notices: list[PreemptionNotice] = []
-        self._killed: list[str] = []
-        self._lock = threading.Lock()
-
-    # ---- the contract ----
-    def launch(self, spec: LaunchSpec) -> Instance:
-        with self._lock:
-            self.specs.append(spec)
-            hang = self.hang
-            if hang:
-                self.hanging.add(spec.instance_id)
-        if hang and not self.gate.wait(20):
-            raise RuntimeError(f"the hanging launch of {spec.instance_id} was never released")
-        inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
-                        self.price(spec.node_type, spec.zone, spec.market), self.clock(), tags=dict(spec.tags))
-        with self._lock:
-            self.hanging.discard(spec.instance_id)
-            self.instances[inst.id] = replace(inst, tags=dict(inst.tags))
-        return inst
-
-    def terminate(self, instance: Instance) -> None:
-        with self._lock:
-            self.terminated.append(instance.id)
-            self.instances.pop(instance.id, None)
-
-    def list(self, tag_filters: dict[str, str]) -> list[Instance]:
-        with self._lock:  # copies: a cloud answers with fresh objects, not the policy's own
-            return [replace(i, tags=dict(i.tags)) for i in self.instances.values()
-                    if all(i.tags.get(k) == v for k, v in tag_filters.items())]
-
-    def price(self, node_type: str, zone: str, market: str) -> float:
-        return self.prices[(node_type, zone, market)]
-
-    def poll_notices(self, now: float) -> list[PreemptionNotice]:
-        with self._lock:
-            out, self._notices = self._notices, []
-        return out
-
-    def poll_terminated(self, now: float) -> list[str]:
-        with self._lock:
-            out, self._killed = self._killed, []
-        return out
-
-    def shutdown(self) -> None:
-        self.shutdowns += 1
-
-    # ---- what the test does to the cloud ----
-    def notice(self, instance_id: str, at: float, terminate_at: float) -> None:
-        with self._lock:
-            self._notices.append(PreemptionNotice(instance_id, at, terminate_at))
-
-    def kill(self, instance_id: str) -> None:
-        """The cloud takes the instance and says so in its next poll."""
-        with self._lock:
-            self.instances.pop(instance_id, None)
-            self._killed.append(instance_id)
-
-    def lose(self, instance_id: str) -> None:
-        """The instance is gone and no poll will say so (it went while no supervisor ran)."""
-        with self._lock:
-            self.instances.pop(instance_id, None)
-
-    def add(self, instance: Instance) -> None:
-        """An instance this policy never launched (another run's, or one the store never heard of)."""
-        with self._lock:
-            self.instances[instance.id] = instance
-
-
-class FakeWorkers:
-    """WorkerControl without Ray: records every call; the test marks which workers left or run."""
-
-    def __init__(self) -> None:
-        self.placed: list[str] = []
-        self.notified: list[tuple[str, float]] = []
-        self.stopped: list[str] = []
-        self.left: set[str] = set()
-        self.alive: set[str] = set()  # instances whose worker is already running (adoption)
-        self.refuse = False  # every worker fails to start (a broken image or boot script)
-        self.dead: set[str] = set()  # instances whose worker died while the machine runs on
-        self.args: dict[str, dict[str, Any]] = {}  # what each placed worker started with
-        self.activated: list[str] = []
-        self.standby: set[str] = set()  # running workers that are warm spares (adoption)
-        self._lock = threading.Lock()
-
-    def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
-        with self._lock:
-            self.placed.append(instance.id)
-            self.args[instance.id] = dict(worker_args)
-        if self.refuse:
-            raise RuntimeError("the instance's node never joined")
-        return f"peer-{instance.id}"
-
-    def notify(self, instance: Instance, deadline_s: float) -> None:
-        with self._lock:
-            self.notified.append((instance.id, deadline_s))
-
-    def activate(self, instance: Instance) -> None:
-        with self._lock:
-            self.activated.append(instance.id)
-
-    def poll_left(self, instance_ids: list[str]) -> list[str]:
-        return [i for i in instance_ids if i in self.left]
-
-    def poll_dead(self, instance_ids: list[str]) -> list[str]:
-        return [i for i in instance_ids if i in self.dead]
-
-    def stop(self, instance: Instance) -> None:
-        with self._lock:
-            self.stopped.append(instance.id)
-
-    def running(self, instance: Instance) -> dict | None:
-        if instance.id not in self.alive:
-            return None
-        return {"peer_id": f"peer-{instance.id}", "address": f"/ip4/127.0.0.1/tcp/1/p2p/peer-{instance.id}",
-                "phase": "standby" if instance.id in self.standby else "idle"}
 
 
 def make_config(runs_dir: Path, *, spot_prices: dict[str, float] | None = None, min_workers: int = 0,
@@ -237,7 +93,7 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
 
     def make(max_calls: int = 16, **options: Any) -> Rig:
         config = make_config(tmp_path / f"runs{len(rigs)}", **options)
-        clock = FakeClock()
+        clock = FakeClock(START)
         RunStore.create(config).close()
         store = RunStore(config.run_dir())
         store.clock = clock  # as the supervisor does: the store's times are the policy's

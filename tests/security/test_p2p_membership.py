@@ -19,20 +19,11 @@ import pytest
 
 from p2p import P2P, Authority, Certificate, Identity, Membership, NotAMember
 from p2p.connection import ERROR, HELLO, VERSION
+from tests.fakes.clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 RUN = "run-a"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Clock:
-    """Shared fake time for both ends of a connection: expiry without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -185,7 +176,7 @@ async def test_the_dialer_learns_why_it_was_refused(nodes, authority):
     m.register("echo", echo)
     # A peer whose certificate lapsed 1000 s ago (its own clock is wrong, so it still offers it).
     identity = Identity()
-    late = Clock()
+    late = FakeClock(time.time())
     late.now -= 2000
     lapsed = authority.issue(identity.peer_id, 1000, now=late.now)
     peer = await nodes(identity=identity, membership=Membership(RUN, authority.public_key, lapsed, clock=late))
@@ -194,7 +185,7 @@ async def test_the_dialer_learns_why_it_was_refused(nodes, authority):
 
 
 async def test_an_expired_certificate_is_refused_at_the_next_call_and_renewal_keeps_it(nodes, authority):
-    clock = Clock()
+    clock = FakeClock(time.time())  # shared by both ends of a connection: expiry without sleeping
     a = await member(nodes, authority, ttl=100, clock=clock, skew=5)
     b = await member(nodes, authority, ttl=10_000, clock=clock, skew=5)
     b.register("echo", echo)
