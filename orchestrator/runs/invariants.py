@@ -18,10 +18,10 @@ from pathlib import Path
 
 import psutil
 
+from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
 from orchestrator.runs.figures import cost_breakdown
 from orchestrator.runs.logs import LOG_DIR, SUPERVISOR_LOG, log_files
 from orchestrator.runs.store import RunStore, summarize_costs
-from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
 
 COST_TOLERANCE = 1e-9  # dollars: the breakdown and the total are the same sums in another order
 TRACEBACK = "Traceback (most recent call last):"
