@@ -14,9 +14,7 @@ the run directory, which the dashboard's chaos page shows.
 from __future__ import annotations
 
 import heapq
-import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -24,10 +22,9 @@ import signal
 import sqlite3
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +34,17 @@ import ray
 from orchestrator.chaos import disk as chaos_disk
 from orchestrator.chaos import faults as chaos_faults
 from orchestrator.chaos.faults import Fault, FaultSkipped, Node
+from orchestrator.chaos.report import ChaosReport, save_report, summarize
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.runs.chaos_report import FAULT_KINDS, PHASES, REPORT, RUN_PHASES, WORKER_PHASES
-from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
+from orchestrator.runs.chaos_report import FAULT_KINDS, RUN_PHASES, WORKER_PHASES
+from orchestrator.runs.checkpoints import checkpoint_directory
 from orchestrator.runs.invariants import (
+    CheckpointWatch,
+    ParamsAgreement,
     Violation,
     check_run,
     check_store,
-    stalls,
+    stall_violation,
     store_unreadable,
     supervisor_downtimes,
 )
@@ -94,28 +94,6 @@ def plan(settings: ChaosSettings) -> list[tuple[float, str]]:
     return out
 
 
-@dataclass
-class ChaosReport:
-    seed: int
-    config: str
-    cluster: str
-    started_at: float
-    duration_s: float
-    state: str = "running"
-    ended_at: float | None = None
-    faults: list[Fault] = field(default_factory=list)
-    violations: list[dict] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
-    recovery_s: float | None = None  # from the last fault's end to the fleet's second epoch after it
-
-    def violate(self, v: Violation) -> None:
-        logger.warning("invariant %s broken: %s", v.invariant, v.detail)
-        self.violations.append({"time": time.time(), "invariant": v.invariant, "detail": v.detail})
-
-    def to_json(self) -> dict:
-        return {"version": 1, **asdict(self)}
-
-
 @dataclass(order=True)
 class _Due:
     at: float  # monotonic
@@ -148,11 +126,8 @@ class ChaosRun:
         self._supervisor_pid: int | None = None
         self._supervisor_pids: list[int] = []
         self._busy: dict[str, str] = {}  # instance id or "disk" -> the lasting fault on it
-        # epoch -> instance id -> (parameter digest, all-reduce group, when it completed the epoch)
-        self._digests: dict[int, dict[str, tuple[str, str, float]]] = {}
-        self._last_seen: dict[str, float] = {}  # instance id -> its newest epoch record's time
-        self._rolled_back: set[int] = set()  # epochs completed again after the whole fleet was lost
-        self._checked_checkpoints: set[str] = set()
+        self._params = ParamsAgreement()
+        self._checkpoints = CheckpointWatch(checkpoint_directory(config, self.run_dir))
         self._step_s = 0.5  # until measured
         self._disk_why = chaos_disk.unavailable() if "disk_full" in settings.kinds else None
 
@@ -420,30 +395,16 @@ class ChaosRun:
         if not rows:
             return
         downtimes = supervisor_downtimes(store)
-        gaps = stalls(rows + [(time.time(), rows[-1][1] + 1)], downtimes)  # the gap still open counts too
-        worst = max(gaps, default=0.0)
-        if worst > self.settings.stall_bound_s and not any(
-                v["invariant"] == "stall" for v in self.report.violations):
-            self.report.violate(Violation("stall", f"no new epoch for {worst:.1f} s "
-                                                   f"(bound {self.settings.stall_bound_s:g} s)"))
+        stall = stall_violation(rows, downtimes, time.time(), self.settings.stall_bound_s)
+        if stall is not None and not any(v["invariant"] == "stall" for v in self.report.violations):
+            self.report.violate(stall)
 
     def _check_new_checkpoints(self) -> None:
-        directory = checkpoint_directory(self.config, self.run_dir)
-        for path in sorted(directory.glob("epoch-*.pt")):
-            if path.name in self._checked_checkpoints:
-                continue
-            self._checked_checkpoints.add(path.name)
-            try:
-                checkpoint_epoch(path)
-            except ValueError as e:
-                if path.exists():  # not rotated away while we read it
-                    self.report.violate(Violation("checkpoints", str(e)))
+        for v in self._checkpoints.check_new():
+            self.report.violate(v)
 
     def _check_equal_params(self) -> None:
-        """Peers that completed the same epoch hold the same parameters (their digests after it) — peers
-        that trained at the same time.  After the whole fleet was lost, the next one continues from the
-        newest checkpoint and completes again epochs the lost fleet had completed: that is a rollback
-        (the work since the checkpoint is lost), counted apart, not a divergence."""
+        """Every live worker's epoch records (parameter digests), judged by ``ParamsAgreement``."""
         for node in chaos_faults.live_nodes(self.run_dir):
             if self._busy.get(node.instance_id) == "worker_pause":
                 continue
@@ -452,25 +413,9 @@ class ChaosRun:
                 history = ray.get(actor.history.remote(), timeout=chaos_faults.ASK_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - booting, dying: its epochs are read next time
                 continue
-            for record in history:
-                if "params" not in record:
-                    continue
-                seen = self._digests.setdefault(record["epoch"], {})
-                seen[node.instance_id] = (record["params"], record.get("group") or "-", record["time"])
-                self._last_seen[node.instance_id] = max(self._last_seen.get(node.instance_id, 0.0), record["time"])
-        for epoch, by_peer in list(self._digests.items()):
-            if len({digest for digest, _, _ in by_peer.values()}) < 2:
-                continue
-            pairs = [(a, b) for a in by_peer for b in by_peer if a < b and by_peer[a][0] != by_peer[b][0]]
-            together = [(a, b) for a, b in pairs  # each still training when the other completed the epoch
-                        if min(self._last_seen[a], self._last_seen[b]) >= max(by_peer[a][2], by_peer[b][2])]
-            detail = {i: f"{d} (group {g})" for i, (d, g, _) in by_peer.items()}
-            if together:
-                self.report.violate(Violation("equal_params", f"after epoch {epoch} peers hold different "
-                                                              f"parameters: {json.dumps(detail)}"))
-            else:
-                self._rolled_back.add(epoch)
-            self._digests[epoch] = {}  # judged once
+            self._params.observe(node.instance_id, history)
+        for v in self._params.judge():
+            self.report.violate(v)
 
     def _final_checks(self, sockets_before: int) -> None:
         self._wait_released()
@@ -484,7 +429,7 @@ class ChaosRun:
         if sockets_after > sockets_before:
             self.report.violate(Violation("leaks", f"this process holds {sockets_after} sockets after the run, "
                                                    f"{sockets_before} before"))
-        self.report.summary = self._summary(result.max_stall_s)
+        self.report.summary = summarize(self.report, self.run_dir, result.max_stall_s, len(self._params.rolled_back))
         self._save_report()
 
     def _wait_released(self, timeout: float = 60.0) -> None:
@@ -492,34 +437,8 @@ class ChaosRun:
         while chaos_faults.live_nodes(self.run_dir) and time.monotonic() < deadline:
             time.sleep(0.2)  # the stop released every node; their processes exit within moments
 
-    def _summary(self, max_stall_s: float) -> dict:
-        with closing(RunStore.open(self.run_dir)) as store:
-            rows = [(row[0], row[1]) for row in store.progress_rows()]
-            gaps = stalls(rows, supervisor_downtimes(store))
-            samples = store.db.execute("SELECT MAX(samples), MIN(time), MAX(time) FROM progress").fetchone()
-        injected = [f for f in self.report.faults if f.outcome == "injected"]
-        span = (samples[2] - samples[1]) if samples and samples[1] is not None else 0.0
-        return {
-            "faults": len(injected), "skipped": len(self.report.faults) - len(injected),
-            "invariant_violations": len(self.report.violations),
-            "error_tracebacks": sum(v["invariant"] == "tracebacks" for v in self.report.violations),
-            "max_stall_s": round(max_stall_s, 2), "p99_stall_s": round(_percentile(gaps, 99), 2),
-            "epochs": rows[-1][1] if rows else 0, "samples": int(samples[0] or 0) if samples else 0,
-            "samples_per_second": round(samples[0] / span, 2) if span > 0 and samples[0] else 0.0,
-            "retained": None, "rolled_back_epochs": len(self._rolled_back), "recovery_s": self.report.recovery_s,
-            "by_kind": dict(Counter(f.kind for f in injected)), "by_phase": dict(Counter(f.phase for f in injected)),
-        }
-
     def _save_report(self) -> None:
-        """Best effort while the run goes on (the disk may be full); the last one always lands."""
-        path = self.run_dir / REPORT
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(self.report.to_json(), indent=1))
-            tmp.replace(path)
-        except OSError as e:
-            logger.info("chaos report not saved now: %s", e)
-            tmp.unlink(missing_ok=True)
+        save_report(self.report, self.run_dir)
 
     def _collect_supervisor_logs(self) -> None:
         """Every supervisor's log, into the run directory, where ``check`` scans logs."""
@@ -533,13 +452,6 @@ class ChaosRun:
                 target.mkdir(exist_ok=True)
                 with _suppress_all():
                     shutil.copyfile(log, target / f"supervisor-{pid}.log")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def _own_sockets() -> int:
@@ -556,31 +468,3 @@ def _suppress_all() -> Iterator[None]:
         logger.debug("ignored: %s: %s", type(e).__name__, e)
 
 
-def print_report(report: ChaosReport, console: Any) -> None:
-    """The report as the chaos command prints it: faults by kind and phase, then any violation."""
-    from rich.table import Table
-
-    summary = report.summary
-    table = Table(title=f"chaos run {report.cluster} (seed {report.seed}): faults by kind and phase")
-    phases = PHASES
-    table.add_column("kind", no_wrap=True)
-    narrow = {"matchmaking": "match-\nmaking", "all-reduce": "all-\nreduce", "state download": "state\ndownload",
-              "checkpoint write": "check-\npoint\nwrite"}  # fits an 80-column terminal
-    for phase in phases:
-        table.add_column(narrow.get(phase, phase), justify="right")
-    table.add_column("skip-\nped", justify="right")
-    for kind in FAULT_KINDS:
-        hits = [f for f in report.faults if f.kind == kind]
-        table.add_row(kind, *(str(sum(f.phase == p and f.outcome == "injected" for f in hits)) for p in phases),
-                      str(sum(f.outcome != "injected" for f in hits)))
-    console.print(table)
-    console.print(f"faults {summary.get('faults')}, invariant violations {summary.get('invariant_violations')}, "
-                  f"error tracebacks {summary.get('error_tracebacks')}, max stall {summary.get('max_stall_s')} s, "
-                  f"p99 stall {summary.get('p99_stall_s')} s, recovered {summary.get('recovery_s')} s after "
-                  f"the last fault, {summary.get('epochs')} epochs, "
-                  f"{summary.get('samples_per_second')} samples/s")
-    for v in report.violations:
-        console.print(f"[red]{v['invariant']}[/]: {v['detail']}")
-    for f in report.faults:
-        if f.outcome != "injected":
-            console.print(f"{f.kind}: {f.outcome}")

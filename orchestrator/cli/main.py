@@ -173,7 +173,7 @@ def _chaos(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from orchestrator.chaos.runner import print_report
+    from orchestrator.chaos.report import print_report
 
     print_report(report, _console())
     return 0 if not report.violations else 1

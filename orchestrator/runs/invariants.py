@@ -9,6 +9,7 @@ kind.  Nothing here starts or stops anything.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sqlite3
@@ -197,3 +198,76 @@ def check_run(run_dir: Path, stopped: bool, stall_bound_s: float | None = None) 
     if stopped:  # nothing of a stopped run runs on (this check itself excepted)
         violations += check_leaks(str(run_dir.resolve()), exclude=[os.getpid()])
     return RunCheck(violations, worst, checkpoints, len(logs))
+
+
+def stall_violation(rows: list[tuple[float, int]], downtimes: Iterable[tuple[float, float]], now: float,
+                    bound_s: float) -> Violation | None:
+    """A run whose longest gap between new epochs, the gap still open at ``now`` included, passed
+    ``bound_s`` (the supervisor's downtimes left out); None while it keeps the bound."""
+    if not rows:
+        return None
+    worst = max(stalls(list(rows) + [(now, rows[-1][1] + 1)], downtimes), default=0.0)
+    if worst <= bound_s:
+        return None
+    return Violation("stall", f"no new epoch for {worst:.1f} s (bound {bound_s:g} s)")
+
+
+class CheckpointWatch:
+    """Checks each checkpoint file of a running run once, as it appears."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.checked: set[str] = set()
+
+    def check_new(self) -> list[Violation]:
+        out = []
+        for path in sorted(self.directory.glob("epoch-*.pt")):
+            if path.name in self.checked:
+                continue
+            self.checked.add(path.name)
+            try:
+                checkpoint_epoch(path)
+            except ValueError as e:
+                if path.exists():  # not rotated away while it was read
+                    out.append(Violation("checkpoints", str(e)))
+        return out
+
+
+class ParamsAgreement:
+    """Peers that completed the same epoch hold the same parameters (their digests after it), for
+    peers that trained at the same time.  After the whole fleet was lost, the next one continues from
+    the newest checkpoint and completes again epochs the lost fleet had completed: that is a rollback
+    (the work since the checkpoint is lost), counted apart, not a divergence."""
+
+    def __init__(self) -> None:
+        # epoch -> peer -> (parameter digest, all-reduce group, when it completed the epoch)
+        self.digests: dict[int, dict[str, tuple[str, str, float]]] = {}
+        self.last_seen: dict[str, float] = {}  # peer -> its newest epoch record's time
+        self.rolled_back: set[int] = set()  # epochs completed again after the whole fleet was lost
+
+    def observe(self, peer: str, history: Iterable[dict]) -> None:
+        """A peer's epoch records (``epoch``, ``params``, ``group``, ``time``)."""
+        for record in history:
+            if "params" not in record:
+                continue
+            seen = self.digests.setdefault(record["epoch"], {})
+            seen[peer] = (record["params"], record.get("group") or "-", record["time"])
+            self.last_seen[peer] = max(self.last_seen.get(peer, 0.0), record["time"])
+
+    def judge(self) -> list[Violation]:
+        """Each epoch whose peers disagree, judged once: a violation if two of them trained together."""
+        out = []
+        for epoch, by_peer in list(self.digests.items()):
+            if len({digest for digest, _, _ in by_peer.values()}) < 2:
+                continue
+            pairs = [(a, b) for a in by_peer for b in by_peer if a < b and by_peer[a][0] != by_peer[b][0]]
+            together = [(a, b) for a, b in pairs  # each still training when the other completed the epoch
+                        if min(self.last_seen[a], self.last_seen[b]) >= max(by_peer[a][2], by_peer[b][2])]
+            detail = {i: f"{d} (group {g})" for i, (d, g, _) in by_peer.items()}
+            if together:
+                out.append(Violation("equal_params", f"after epoch {epoch} peers hold different "
+                                                     f"parameters: {json.dumps(detail)}"))
+            else:
+                self.rolled_back.add(epoch)
+            self.digests[epoch] = {}  # judged once
+        return out

@@ -14,9 +14,12 @@ import pytest
 pytest.importorskip("ray")
 
 from orchestrator.chaos import disk as chaos_disk  # noqa: E402
-from orchestrator.chaos.runner import REPORT, ChaosError, ChaosRun, ChaosSettings, plan  # noqa: E402
+from orchestrator.chaos.runner import ChaosError, ChaosRun, ChaosSettings, plan  # noqa: E402
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
-from orchestrator.runs.chaos_report import FAULT_KINDS  # noqa: E402
+from orchestrator.runs.chaos_report import (
+    FAULT_KINDS,  # noqa: E402
+    REPORT,  # noqa: E402
+)
 from orchestrator.runs.invariants import check_leaks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
