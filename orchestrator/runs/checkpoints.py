@@ -5,6 +5,7 @@ and writing the tensors themselves is ``checkpoint_io.py``'s."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import zipfile
 from pathlib import Path
@@ -17,6 +18,7 @@ PATTERN = "epoch-*.pt"
 # what torch.save writes for tensors, parameters and plain containers; anything else is refused
 _CONTAINERS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device")}
 _BUILTINS = {"set", "frozenset", "bytearray", "slice", "complex"}
+_PY2_NAMES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
 
 def checkpoint_directory(config: ClusterConfig, run_dir: Path) -> Path:
@@ -69,12 +71,11 @@ class _Stub:
 
 class _Inspector(pickle.Unpickler):
     def __init__(self, data: bytes, storages: set[str]) -> None:
-        import io
-
         super().__init__(io.BytesIO(data))
         self.storages = storages
 
     def find_class(self, module: str, name: str) -> Any:
+        module = _PY2_NAMES.get(module, module)  # torch.save writes protocol 2, which names them so
         if not _allowed(module, name):
             raise pickle.UnpicklingError(f"refers to {module}.{name}, which is not a tensor or a plain value")
         return _Stub

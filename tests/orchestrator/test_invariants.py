@@ -139,3 +139,26 @@ def test_a_missing_log_fails_the_check_instead_of_an_empty_scan(run_dir: Path, c
     assert [(v.invariant, v.detail) for v in result.violations] == [
         ("tracebacks", f"{run_dir / 'logs' / 'i6.log.2'}:2: Traceback (most recent call last):")]
     assert result.logs == 3
+
+
+def test_check_reads_a_run_without_importing_ray_or_torch(run_dir: Path) -> None:
+    """``spotswarm check`` reads files: a checkpoint is judged by its zip and pickle alone."""
+    torch.save({"epoch": 10, "state": {"w": torch.ones(3)}}, run_dir / "checkpoints" / "epoch-000010.pt")
+    code = ("import sys; from orchestrator.cli.main import main; rc = main(['check', sys.argv[1]]); "
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules)); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
+class _Code:
+    def __reduce__(self) -> tuple:
+        return (print, ("ran",))
+
+
+def test_a_checkpoint_that_would_run_code_is_a_violation(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    torch.save({"epoch": 10, "state": _Code()}, run_dir / "checkpoints" / "epoch-000010.pt")
+    assert main(["check", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "refers to builtins.print, which is not a tensor or a plain value" in out
+    assert "ran" not in out.split("\n")[0]
