@@ -19,6 +19,7 @@ import os
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .budget import FrameBudget
 from .errors import (
     NotAMember,
     PeerIDMismatch,
@@ -31,7 +32,7 @@ from .errors import (
 from .identity import Identity, PeerID, verify
 from .limits import Limits
 from .throttle import Throttle, wake
-from .wire import Decoder, Encoder, FrameBudget
+from .wire import Decoder, Encoder
 
 if TYPE_CHECKING:
     from .membership import Certificate, Membership

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from .address import PeerAddress
 from .allocator import keep_freed_buffers
+from .budget import FrameBudget
 from .connection import DATA, END, ERROR, OPEN, Connection, Retry, Stream
 from .errors import PeerUnreachable, RemoteError, RPCTimeout
 from .identity import Identity, PeerID
@@ -25,7 +26,7 @@ from .limits import Limits
 from .membership import Certificate, Membership
 from .tcp_info import TcpInfo, read_tcp_info
 from .throttle import Throttle, check_rate
-from .wire import EncodeError, Encoder, FrameBudget
+from .wire import EncodeError, Encoder
 
 EAGER_TASKS = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
 
