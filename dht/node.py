@@ -127,7 +127,7 @@ class DHTNode:
 
     # ---- identity ------------------------------------------------------------------------------
     @property
-    def peer_id(self):
+    def peer_id(self) -> PeerID:
         return self.p2p.peer_id
 
     @property
