@@ -105,10 +105,8 @@ class P2P:
             membership.adopt(membership.certificate, self.identity.peer_id)  # ValueError says what is wrong
             self._certificate_bytes = membership.certificate.to_bytes()
         self.frame_budget = FrameBudget(self.limits.max_pending_frame_bytes)
-        self.idle_timeout = idle_timeout
         self.default_timeout = default_timeout
         self.auth = auth
-        self.max_connections = max_connections
         self.address: PeerAddress | None = None
         self._server: asyncio.Server | None = None
         self._handlers: dict[str, tuple[Handler, CallKind]] = {}
@@ -335,6 +333,24 @@ class P2P:
         conn = self._cached_connection(peer) or await self.pool.connection(peer, self._deadline(timeout))
         assert conn.remote_id is not None
         return conn.remote_id
+
+    @property
+    def idle_timeout(self) -> float:
+        """Seconds without traffic after which an idle connection is closed (the pool's setting)."""
+        return self.pool.idle_timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, seconds: float) -> None:
+        self.pool.idle_timeout = seconds
+
+    @property
+    def max_connections(self) -> int:
+        """Connections past which idle ones are closed (the pool's setting)."""
+        return self.pool.max_connections
+
+    @max_connections.setter
+    def max_connections(self, n: int) -> None:
+        self.pool.max_connections = n
 
     @property
     def num_half_open(self) -> int:
