@@ -22,10 +22,11 @@ from p2p import CallKind, PeerID
 from p2p.codecs import Codec
 from p2p.node import CallContext
 
-from .allreduce import DEFAULT_MAX_WEIGHT, DEFAULT_NORM_RATIO, AllReduceRound, GroupInfo, all_finite, weight_problem
+from .allreduce import DEFAULT_MAX_WEIGHT, AllReduceRound, GroupInfo, weight_problem
 from .bandwidth import BandwidthMeter, ProbeSink, probe
 from .matchmaking import Matchmaker
 from .partition import FlatTensors, chunk_size_problem
+from .reduction import DEFAULT_NORM_RATIO, all_finite
 
 logger = logging.getLogger(__name__)
 

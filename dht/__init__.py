@@ -7,7 +7,8 @@ subkeys merged across writers, and may be signed by their owner.
 
 from .clock import LocalClock, SwarmClock, local_time
 from .dht import DHT
-from .node import DHTNode, RecordTooLarge, ValueWithExpiration
+from .node import DHTNode
+from .records import RecordTooLarge, ValueWithExpiration
 from .routing import Contact, RoutingTable
 from .validation import (
     CompositeValidator,

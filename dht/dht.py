@@ -16,7 +16,8 @@ from p2p import PeerAddress
 from p2p.loop_thread import BlockingFace
 
 from .clock import SwarmClock
-from .node import DHTNode, ValueWithExpiration
+from .node import DHTNode
+from .records import ValueWithExpiration
 
 T = TypeVar("T")
 

@@ -1,8 +1,10 @@
-"""DHTNode: the async Kademlia node — RPC handlers, batched iterative lookups, store and get.
+"""DHTNode: the async Kademlia node — joining, store and get, and the upkeep of its routing table.
 
-One lookup serves many keys at once: every round, each unfinished key picks up to ``alpha`` of its
-closest not-yet-asked contacts, and a contact picked by several keys gets one request for all of
-them.  Responses are processed as they arrive, so one slow peer delays only its own keys.
+The node ties the parts together: its records are made and read in ``records.py``, kept in
+``storage.py``, and its contacts in ``routing.py``; lookups run in ``traverse.py`` (one traversal
+serves many keys); the messages and the handlers that answer other peers are ``protocol.py``'s.
+What stays here is what a node decides: which records to write where, what to believe of what
+peers answer, and whom to keep as contacts.
 """
 
 from __future__ import annotations
@@ -12,75 +14,23 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
 
 from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerID, PeerUnreachable, RemoteError
 from p2p.node import CallContext
 
+from . import protocol
 from .clock import SwarmClock, local_time
-from .routing import ID_BYTES, Contact, RoutingTable, id_from_bytes, id_to_bytes, key_id, node_id_of, serialize_key
+from .protocol import FIND, PING, STORE, DHTHandlers, FindAnswer
+from .records import RecordCodec, ValueWithExpiration, check_size
+from .routing import Contact, RoutingTable, key_id, node_id_of, serialize_key
 from .storage import Entry, Storage, merge_entries
-from .validation import CompositeValidator, DHTRecord, RecordValidator, SignatureValidator, ValidationError, show_raw
+from .traverse import Search, traverse
+from .validation import CompositeValidator, DHTRecord, RecordValidator, SignatureValidator, show_raw
 
 logger = logging.getLogger(__name__)
 
 _MAX_SUSPECTS = 1024  # past this many, the expired ones are dropped
-
-PING, STORE, FIND = "dht.ping", "dht.store", "dht.find"
-_MAX_KEYS_PER_REQUEST = 256
-_RESPONSE_VALUE_BUDGET = 4 << 20  # bytes of values in one find response; the rest answer "not here"
-
-
-class RecordTooLarge(ValueError):
-    """A key, subkey or value is over the node's size limits."""
-
-
-@dataclass(frozen=True)
-class ValueWithExpiration:
-    """A value read from the DHT.  For a dictionary key, ``value`` maps each subkey to one of these."""
-
-    value: Any
-    expiration_time: float
-
-
-@dataclass
-class _Search:
-    """The state of one key's lookup within a batched traversal."""
-
-    target: int
-    key: bytes | None  # set when looking for values: needed to validate what peers return
-    want: int
-    stop_on_value: bool
-    candidates: dict[int, Contact] = field(default_factory=dict)
-    queried: set[int] = field(default_factory=set)
-    responded: list[tuple[int, Contact]] = field(default_factory=list)
-    found: list[tuple[Contact, Entry]] = field(default_factory=list)
-    in_flight: int = 0
-    finished: bool = False
-
-    def next_to_query(self, n: int) -> list[Contact]:
-        """Closest unasked candidates that could still improve the ``want`` nearest responders."""
-        if n <= 0:
-            return []
-        bound = self.responded[self.want - 1][0] if len(self.responded) >= self.want else None
-        pool = sorted((c.node_id ^ self.target, i, c) for i, c in self.candidates.items() if i not in self.queried)
-        return [c for d, _, c in pool[:n] if bound is None or d < bound]
-
-    def add_responder(self, contact: Contact) -> None:
-        self.responded.append((contact.node_id ^ self.target, contact))
-        self.responded.sort(key=lambda dc: dc[0])
-
-    def nearest(self, n: int) -> list[Contact]:
-        return [c for _, c in self.responded[:n]]
-
-    def update_finished(self) -> None:
-        if self.stop_on_value and self.found:
-            self.finished = True
-        elif self.in_flight == 0 and not self.next_to_query(1):
-            self.finished = True
 
 
 class DHTNode:
@@ -123,6 +73,9 @@ class DHTNode:
             # a replica that skipped owner signatures would store and serve forged records
             validators.append(SignatureValidator(p2p.identity))
         self.validator = CompositeValidator(validators)
+        self.records = RecordCodec(self.validator, self.storage, max_key_bytes=max_key_bytes,
+                                   max_value_bytes=max_value_bytes, max_expiration=max_expiration,
+                                   on_dropped=_log_dropped)
         self.max_expiration = max_expiration
         self.bucket_size = bucket_size
         self.num_replicas = num_replicas
@@ -137,10 +90,12 @@ class DHTNode:
         self.suspect_for = suspect_for
         self._suspects: dict[int, tuple[float, Contact]] = {}
         self._closed = False
+        self.handlers = DHTHandlers(p2p, self.storage, self.routing, bucket_size=bucket_size,
+                                    max_key_bytes=max_key_bytes, max_value_bytes=max_value_bytes,
+                                    local_time=self.clock.local, learn_sender=self._learn_sender,
+                                    check_value=self.records.user_value)
         if not self.client_mode:
-            p2p.register(PING, self._rpc_ping)
-            p2p.register(STORE, self._rpc_store)
-            p2p.register(FIND, self._rpc_find)
+            self.handlers.register()
 
     @classmethod
     async def create(cls, initial_peers: Sequence[str | PeerAddress] = (), *, host: str = "127.0.0.1",
@@ -172,7 +127,7 @@ class DHTNode:
 
     # ---- identity ------------------------------------------------------------------------------
     @property
-    def peer_id(self):
+    def peer_id(self) -> PeerID:
         return self.p2p.peer_id
 
     @property
@@ -205,7 +160,7 @@ class DHTNode:
             if len(refusals) == len(addresses):  # say why: a missing or wrong certificate, not a dead network
                 raise NotAMember(f"every initial peer refused this peer as a member of its run: {refusals[0]}")
             raise PeerUnreachable(f"none of the {len(addresses)} initial peers could be reached")
-        search = _Search(self.node_id, None, self.bucket_size, stop_on_value=False)
+        search = Search(self.node_id, None, self.bucket_size, stop_on_value=False)
         for c in contacts:
             search.candidates[c.node_id] = c
         await self._traverse([search], want_values=False)
@@ -220,7 +175,7 @@ class DHTNode:
         """
         if at is None:
             return (await self.store_many([key], [value], expiration_time, [subkey]))[0]
-        record = self._make_record(key, value, float(expiration_time), subkey)
+        record = self.records.make(key, value, float(expiration_time), subkey)
         kid = key_id(record.key)
         targets = [c for c in at if c is not None or not self.client_mode]  # a client keeps no records
         return (await self._put([record], {kid: [0]}, {kid: targets}))[0]
@@ -228,7 +183,7 @@ class DHTNode:
     async def nearest_replicas(self, key: Any) -> list[Contact | None]:
         """The ``num_replicas`` peers nearest to ``key`` by one lookup (None: this node), for ``store(at=)``."""
         raw = serialize_key(key)
-        self._check_size("key", raw, self.max_key_bytes)
+        check_size("key", raw, self.max_key_bytes)
         search = self._new_search(key_id(raw), None, self.num_replicas, stop_on_value=False)
         await self._traverse([search], want_values=False)
         return self._replica_set(search)
@@ -247,7 +202,7 @@ class DHTNode:
         subs = list(subkeys) if subkeys is not None else [None] * len(keys)
         if len(exps) != len(keys) or len(subs) != len(keys):
             raise ValueError("store_many: keys, values, expiration times and subkeys must have equal lengths")
-        records = [self._make_record(k, v, float(e), s) for k, v, e, s in zip(keys, values, exps, subs, strict=True)]
+        records = [self.records.make(k, v, float(e), s) for k, v, e, s in zip(keys, values, exps, subs, strict=True)]
         by_key: dict[int, list[int]] = {}
         for i, rec in enumerate(records):
             by_key.setdefault(key_id(rec.key), []).append(i)
@@ -287,9 +242,9 @@ class DHTNode:
     async def get_many(self, keys: Sequence[Any], latest: bool = False) -> dict[Any, ValueWithExpiration | None]:
         serialized = {k: serialize_key(k) for k in keys}
         for raw in serialized.values():
-            self._check_size("key", raw, self.max_key_bytes)
+            check_size("key", raw, self.max_key_bytes)
         local: dict[int, Entry | None] = {}
-        searches: dict[int, _Search] = {}
+        searches: dict[int, Search] = {}
         for raw in serialized.values():
             kid = key_id(raw)
             local[kid] = None if self.client_mode else self.storage.get(kid)
@@ -307,7 +262,7 @@ class DHTNode:
                 best = merge_entries(best, entry)
             if best is not None and search is not None:
                 self._refresh_stale(kid, best, search, local[kid], include_empty=latest)
-            out[k] = self._decode(best)
+            out[k] = self.records.decode(best)
         return out
 
     async def shutdown(self) -> None:
@@ -321,104 +276,16 @@ class DHTNode:
         if self._owns_p2p:
             await self.p2p.shutdown()
         else:
-            for method in (PING, STORE, FIND):
-                self.p2p.unregister(method)
-
-    # ---- records -------------------------------------------------------------------------------
-    def _check_size(self, what: str, raw: bytes, limit: int) -> None:
-        if len(raw) > limit:
-            raise RecordTooLarge(f"{what} of {len(raw)} bytes exceeds the limit of {limit} bytes")
-
-    def _make_record(self, key: Any, value: Any, expiration_time: float, subkey: Any) -> DHTRecord:
-        ahead = expiration_time - self.storage.clock()
-        if not ahead <= self.max_expiration:  # NaN too
-            raise ValueError(f"expiration time {expiration_time} for key {key!r} is {ahead:.0f} s from now; "
-                             f"records may expire at most max_expiration={self.max_expiration:g} s ahead "
-                             "(re-store before it passes to keep a record longer)")
-        key_raw = serialize_key(key)
-        self._check_size("key", key_raw, self.max_key_bytes)
-        sub_raw = None if subkey is None else serialize_key(subkey)
-        if sub_raw is not None:
-            self._check_size("subkey", sub_raw, self.max_key_bytes)
-        try:
-            value_raw = msgpack.packb(value, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TypeError(f"DHT values must be msgpack-serializable: {e}") from None
-        self._check_size("value", value_raw, self.max_value_bytes)
-        record = self.validator.sign(DHTRecord(key_raw, sub_raw, value_raw, expiration_time))
-        self._check_size("signed value", record.value, self.max_value_bytes + 1024)
-        self.validator.check(record)  # the writer gets the reason a replica would refuse with
-        return record
-
-    def _user_value(self, record: DHTRecord) -> Any:
-        """The value a received record carries; ValidationError if a validator refuses it or it does not decode."""
-        plain = self.validator.check(record).value
-        try:
-            return msgpack.unpackb(plain, raw=False, strict_map_key=False)
-        except Exception:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
-            sub = "" if record.subkey is None else f" subkey {show_raw(record.subkey)}"
-            raise ValidationError(f"key {show_raw(record.key)}{sub}: value is not valid msgpack") from None
-
-    def _validated(self, key: bytes, entry: Entry) -> Entry | None:
-        """``entry`` without the records that fail validation (a lying peer cannot forge them)."""
-        now, limit = self.storage.now(), self.storage.clock() + self.max_expiration + self.storage.clock_drift
-        good: dict[bytes | None, tuple[bytes, float]] = {}
-        dropped: list[str] = []
-        for subkey, value, exp in entry.records():
-            if not now < exp <= limit:
-                if exp > limit:
-                    dropped.append(f"expiration {exp - now:.0f} s ahead")
-                continue
-            try:
-                self._user_value(DHTRecord(key, subkey, value, exp))
-                if subkey is not None:
-                    _decode_subkey(subkey)
-            except ValidationError as e:
-                dropped.append(str(e))
-                continue
-            good[subkey] = (value, exp)
-        _log_dropped(key, dropped)
-        if not good:
-            return None
-        if entry.subkeys is None:
-            return Entry(key, *good[None])
-        return Entry(key, subkeys={sk: vx for sk, vx in good.items() if sk is not None})
-
-    def _decode(self, entry: Entry | None) -> ValueWithExpiration | None:
-        """The user's view of an entry; a record that does not validate or decode is left out, and only that one."""
-        if entry is None:
-            return None
-        alive = entry.alive(self.storage.now())
-        if alive is None:
-            return None
-        dropped: list[str] = []
-        if alive.subkeys is None:
-            assert alive.value is not None
-            try:
-                value = self._user_value(DHTRecord(alive.key, None, alive.value, alive.expiration_time))
-            except ValidationError as e:
-                _log_dropped(alive.key, [str(e)])
-                return None
-            return ValueWithExpiration(value, alive.expiration_time)
-        items: dict[Any, ValueWithExpiration] = {}
-        for sk, (v, e) in alive.subkeys.items():
-            try:
-                items[_decode_subkey(sk)] = ValueWithExpiration(self._user_value(DHTRecord(alive.key, sk, v, e)), e)
-            except ValidationError as err:
-                dropped.append(str(err))
-        _log_dropped(alive.key, dropped)
-        if not items:
-            return None
-        return ValueWithExpiration(items, max(item.expiration_time for item in items.values()))
+            self.handlers.unregister()
 
     # ---- lookups -------------------------------------------------------------------------------
-    def _new_search(self, target: int, key: bytes | None, want: int, stop_on_value: bool) -> _Search:
-        search = _Search(target, key, want, stop_on_value)
+    def _new_search(self, target: int, key: bytes | None, want: int, stop_on_value: bool) -> Search:
+        search = Search(target, key, want, stop_on_value)
         for c in self.routing.nearest(target, self.bucket_size):
             search.candidates[c.node_id] = c
         return search
 
-    def _replica_set(self, search: _Search) -> list[Contact | None]:
+    def _replica_set(self, search: Search) -> list[Contact | None]:
         """The ``num_replicas`` nearest peers to a key, ``None`` standing for this node itself."""
         ranked: list[tuple[int, Contact | None]] = list(search.responded[: self.num_replicas])
         if not self.client_mode:
@@ -426,65 +293,23 @@ class DHTNode:
             ranked.sort(key=lambda dc: dc[0])
         return [c for _, c in ranked[: self.num_replicas]]
 
-    async def _traverse(self, searches: list[_Search], want_values: bool) -> None:
-        tasks: dict[asyncio.Task, tuple[Contact, list[_Search]]] = {}
-        try:
-            while True:
-                batch: dict[int, tuple[Contact, list[_Search]]] = {}
-                for s in searches:
-                    if s.finished:
-                        continue
-                    for c in s.next_to_query(self.alpha - s.in_flight):
-                        s.queried.add(c.node_id)
-                        s.in_flight += 1
-                        batch.setdefault(c.node_id, (c, []))[1].append(s)
-                for contact, group in batch.values():
-                    for start in range(0, len(group), _MAX_KEYS_PER_REQUEST):
-                        part = group[start:start + _MAX_KEYS_PER_REQUEST]
-                        task = asyncio.ensure_future(self._call_find(contact, [s.target for s in part], want_values))
-                        tasks[task] = (contact, part)
-                for s in searches:
-                    if not s.finished:
-                        s.update_finished()
-                if not tasks or all(s.finished for s in searches):
-                    return
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    contact, group = tasks.pop(task)
-                    answers = task.result()
-                    if answers is None:  # dead or lying: no other key in this traversal asks it again
-                        for s in searches:
-                            s.queried.add(contact.node_id)
-                    for i, s in enumerate(group):
-                        s.in_flight -= 1
-                        if answers is not None:
-                            self._absorb(s, contact, *answers[i])
-        finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+    async def _traverse(self, searches: list[Search], want_values: bool) -> None:
+        await traverse(searches, self.alpha, self._call_find, self._absorb, want_values)
 
-    def _absorb(self, search: _Search, contact: Contact, entry: Entry | None, contacts: list) -> None:
+    def _absorb(self, search: Search, contact: Contact, entry: Entry | None, contacts: list) -> None:
+        """Take ``contact``'s answer about ``search``'s key: only records that validate count as found,
+        and neither this node nor a suspect becomes a candidate."""
         search.add_responder(contact)
         if entry is not None and search.key is not None:
-            entry = self._validated(search.key, entry)
+            entry = self.records.validated(search.key, entry)
             if entry is not None:
                 search.found.append((contact, entry))
-        for raw in contacts:
-            # most contacts in an answer are already known: check the id before parsing the rest
-            digest = raw[0] if isinstance(raw, list) and raw else None
-            if not isinstance(digest, bytes) or len(digest) < ID_BYTES:
-                continue
-            node_id = int.from_bytes(digest[:ID_BYTES], "big")
-            if node_id == self.node_id or node_id in search.candidates or self._suspected(node_id):
-                continue
-            try:
-                search.candidates[node_id] = Contact.from_wire(raw)
-            except ValueError:
-                continue  # one malformed contact does not spoil the rest of the answer
+        search.add_candidates(contacts, self._excluded)
 
-    def _refresh_stale(self, kid: int, best: Entry, search: _Search, local: Entry | None,
+    def _excluded(self, node_id: int) -> bool:
+        return node_id == self.node_id or self._suspected(node_id)
+
+    def _refresh_stale(self, kid: int, best: Entry, search: Search, local: Entry | None,
                        include_empty: bool) -> None:
         """Give the newest version to nearest replicas that answered with an older one (or, after a
         ``latest`` search that asked them all, with none)."""
@@ -504,19 +329,12 @@ class DHTNode:
 
     # ---- outgoing RPCs -------------------------------------------------------------------------
     async def _call_find(self, contact: Contact, targets: list[int],
-                         want_values: bool) -> list[tuple[Entry | None, list[Contact]]] | None:
+                         want_values: bool) -> list[FindAnswer] | None:
         """Ask ``contact`` about ``targets``; None (and the contact forgotten) if it fails or lies."""
-        request = {"a": self._announce, "k": [id_to_bytes(t) for t in targets], "v": want_values}
+        request = protocol.find_request(self._announce, targets, want_values)
         try:
             response = await self.p2p.call(contact.address, FIND, request, timeout=self.rpc_timeout)
-            if not isinstance(response, list) or len(response) != len(targets):
-                raise ValueError("find answer has the wrong length")
-            answers = []
-            for item in response:
-                if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
-                    raise ValueError("find answer item must be [entry, contacts]")
-                entry = None if item[0] is None else Entry.from_wire(b"", item[0])
-                answers.append((entry, item[1][: self.bucket_size]))
+            answers = protocol.find_answers(response, len(targets), self.bucket_size)
         except (P2PError, ValueError, TypeError) as e:
             self._forget(contact, e)
             return None
@@ -525,23 +343,22 @@ class DHTNode:
 
     async def _call_store(self, contact: Contact, records: list[DHTRecord]) -> list[bool | str]:
         results: list[bool | str] = []
-        for chunk in _chunks(records, _RESPONSE_VALUE_BUDGET):
-            request = {"a": self._announce, "r": [[r.key, r.subkey, r.value, r.expiration_time] for r in chunk]}
+        for chunk in protocol.store_chunks(records):
+            request = protocol.store_request(self._announce, chunk)
             try:
                 response = await self.p2p.call(contact.address, STORE, request, timeout=self.rpc_timeout)
-                if not isinstance(response, list) or len(response) != len(chunk):
-                    raise ValueError("store answer has the wrong length")
+                chunk_results = protocol.store_results(response, len(chunk))
             except (P2PError, ValueError, TypeError) as e:
                 self._forget(contact, e)
                 return results + [False] * (len(records) - len(results))
-            results.extend(r if isinstance(r, (bool, str)) else False for r in response)
+            results.extend(chunk_results)
         self._seen(contact)
         return results
 
     async def _ping(self, contact: Contact, timeout: float | None = None, forget: bool = True) -> bool:
         sent = time.monotonic()
         try:
-            reply = await self.p2p.call(contact.address, PING, {"a": self._announce},
+            reply = await self.p2p.call(contact.address, PING, protocol.ping_request(self._announce),
                                         timeout=self.rpc_timeout if timeout is None else timeout)
         except P2PError as e:
             if forget:
@@ -550,7 +367,7 @@ class DHTNode:
                 logger.debug("clock sample from %s failed: %s", contact.peer_id, e)
             return False
         if self.clock_sample_interval > 0 and isinstance(reply, dict):
-            self.clock.record(contact.node_id, reply.get("t"), sent, time.monotonic())
+            self.clock.record(contact.node_id, reply.get(protocol.TIME), sent, time.monotonic())
         self._seen(contact)
         return True
 
@@ -605,7 +422,7 @@ class DHTNode:
         address = self.known_address(peer_id)
         target: PeerAddress | PeerID = peer_id if address is None else address
         try:
-            await self.p2p.call(target, PING, {"a": self._announce}, timeout=timeout)
+            await self.p2p.call(target, PING, protocol.ping_request(self._announce), timeout=timeout)
         except RemoteError:
             return True  # it answered, if only to say it serves no DHT (a client-mode peer)
         except P2PError as e:
@@ -666,85 +483,8 @@ class DHTNode:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # ---- RPC handlers --------------------------------------------------------------------------
-    async def _rpc_ping(self, request: Any, ctx: CallContext) -> dict:
-        if isinstance(request, dict):
-            self._learn_sender(ctx, request.get("a"))
-        return {"a": self._announce, "t": self.clock.local()}  # uncorrected: peers take the median of these
-
-    async def _rpc_find(self, request: Any, ctx: CallContext) -> list:
-        if not isinstance(request, dict) or not isinstance(request.get("k"), list):
-            raise ValueError("find request must be {'k': [ids...], 'v': bool}")
-        ids = request["k"]
-        if len(ids) > _MAX_KEYS_PER_REQUEST:
-            raise ValueError(f"find request for {len(ids)} keys exceeds {_MAX_KEYS_PER_REQUEST}")
-        targets = [id_from_bytes(raw) for raw in ids]
-        self._learn_sender(ctx, request.get("a"))
-        requester = node_id_of(ctx.peer_id)
-        budget = _RESPONSE_VALUE_BUDGET
-        out = []
-        for target in targets:
-            entry = self.storage.get(target) if request.get("v") else None
-            wire = None
-            if entry is not None:
-                size = sum(len(v) for _, v, _ in entry.records())
-                if size <= budget:
-                    budget -= size
-                    wire = entry.to_wire()
-            contacts = [c.to_wire() for c in self.routing.nearest(target, self.bucket_size, exclude=requester)]
-            out.append([wire, contacts])
-        return out
-
-    async def _rpc_store(self, request: Any, ctx: CallContext) -> list:
-        if not isinstance(request, dict) or not isinstance(request.get("r"), list):
-            raise ValueError("store request must be {'r': [[key, subkey, value, expiration]...]}")
-        self._learn_sender(ctx, request.get("a"))
-        return [self._store_one(item) for item in request["r"]]
-
-    def _store_one(self, item: object) -> bool | str:
-        if not isinstance(item, list) or len(item) != 4:
-            return "record must be [key, subkey, value, expiration]"
-        key, subkey, value, exp = item
-        if not isinstance(key, bytes) or not (subkey is None or isinstance(subkey, bytes)) \
-                or not isinstance(value, bytes) or not isinstance(exp, (int, float)):
-            return "record fields must be bytes, bytes|None, bytes, number"
-        if len(key) > self.max_key_bytes or (subkey is not None and len(subkey) > self.max_key_bytes):
-            return f"key or subkey over {self.max_key_bytes} bytes"
-        if len(value) > self.max_value_bytes + 1024:
-            return f"value over {self.max_value_bytes} bytes"
-        record = DHTRecord(key, subkey, value, float(exp))
-        try:
-            self._user_value(record)
-            if subkey is not None:
-                _decode_subkey(subkey)
-        except ValidationError as e:
-            return str(e)
-        return self.storage.store(key_id(key), key, subkey, value, float(exp))
-
-
-def _decode_subkey(raw: bytes) -> Any:
-    """A subkey as the user wrote it (tuples as tuples); ValidationError if it cannot be a dict key."""
-    try:
-        subkey = msgpack.unpackb(raw, raw=False, use_list=False)
-        hash(subkey)
-    except Exception:
-        raise ValidationError(f"subkey {raw[:64]!r} does not decode to a hashable value") from None
-    return subkey
-
-
 def _log_dropped(key: bytes, reasons: list[str]) -> None:
     if reasons:
         logger.debug("left out %d record(s) of key %s that failed validation, first: %s",
                      len(reasons), show_raw(key), reasons[0])
 
-
-def _chunks(records: list[DHTRecord], budget: int) -> list[list[DHTRecord]]:
-    chunks: list[list[DHTRecord]] = [[]]
-    size = 0
-    for r in records:
-        if chunks[-1] and (size + len(r.value) > budget or len(chunks[-1]) >= _MAX_KEYS_PER_REQUEST):
-            chunks.append([])
-            size = 0
-        chunks[-1].append(r)
-        size += len(r.value)
-    return chunks

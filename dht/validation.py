@@ -270,6 +270,16 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", None) or str(t)
 
 
+def decode_subkey(raw: bytes) -> Any:
+    """A subkey as the user wrote it (tuples as tuples); ValidationError if it cannot be a dict key."""
+    try:
+        subkey = msgpack.unpackb(raw, raw=False, use_list=False)
+        hash(subkey)
+    except Exception:
+        raise ValidationError(f"subkey {raw[:64]!r} does not decode to a hashable value") from None
+    return subkey
+
+
 def show_raw(raw: bytes | None) -> str:
     """A serialized key, subkey or value as readable text, for messages."""
     try:

@@ -19,7 +19,8 @@ from .errors import (
 from .identity import Identity, PeerID
 from .limits import Limits
 from .membership import Authority, Certificate, Membership
-from .node import P2P, AuthHook, Call, CallContext, CallKind, spawn_peers
+from .node import P2P, AuthHook, CallContext, CallKind, spawn_peers
+from .stream import Call
 from .wire import EncodeError
 
 __all__ = [

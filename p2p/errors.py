@@ -15,6 +15,10 @@ class PeerUnreachable(P2PError):
     """The peer could not be reached, or the connection died before the call finished."""
 
 
+class Retry(PeerUnreachable):
+    """The peer announced it would not process this call (GOAWAY); safe to retry elsewhere."""
+
+
 class PeerIDMismatch(PeerUnreachable):
     """The peer at an address proved a different identity than the caller expected."""
 

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
 from .errors import ProtocolError
 from .limits import Limits
+
+if TYPE_CHECKING:
+    from .budget import FrameBudget
 
 PREFIX = struct.Struct("<II")
 TENSOR_EXT = 1
@@ -139,51 +141,6 @@ class Encoder:
         return msgpack.ExtType(TENSOR_EXT, meta)
 
 
-class FrameBudget:
-    """Bytes one node has promised to frames declared but not yet received, over all connections.
-
-    A decoder reserves a message's frame bytes when it reads the lengths, before allocating the
-    tensors, and releases them when the message is complete or the connection is gone.  A
-    request that does not fit waits in FIFO order (the decoder stops; its connection stops
-    reading) and is granted, through the decoder's ``on_granted``, when enough is released.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.reserved = 0
-        self._waiting: deque[tuple[Decoder, int]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def reserve(self, decoder: Decoder, nbytes: int) -> bool:
-        """True if granted now; False if queued; ProtocolError if it could never fit."""
-        if nbytes > self.capacity:
-            raise ProtocolError(f"message declares {nbytes} frame bytes, over the node's "
-                                f"max_pending_frame_bytes={self.capacity}")
-        if not self._waiting and self.reserved + nbytes <= self.capacity:
-            self.reserved += nbytes
-            return True
-        self._waiting.append((decoder, nbytes))
-        return False
-
-    def release(self, nbytes: int) -> None:
-        self.reserved -= nbytes
-        self._grant()
-
-    def withdraw(self, decoder: Decoder) -> None:
-        """Forget a waiting request (its connection closed); those behind it may fit now."""
-        self._waiting = deque((d, n) for d, n in self._waiting if d is not decoder)
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiting and self.reserved + self._waiting[0][1] <= self.capacity:
-            decoder, nbytes = self._waiting.popleft()
-            self.reserved += nbytes
-            decoder._granted(nbytes)
-
-
 @dataclass
 class _Frames:
     """Frame lengths of the message being read and the buffers its tensors will land in."""
@@ -261,7 +218,8 @@ class Decoder:
             nbytes, self.reserved = self.reserved, 0
             self.budget.release(nbytes)
 
-    def _granted(self, nbytes: int) -> None:
+    def granted(self, nbytes: int) -> None:
+        """The budget granted the frame bytes this decoder waited for: parse on."""
         self.reserved = nbytes
         self._state = 2
         if self.on_granted is not None:

@@ -10,8 +10,9 @@ import torch
 import uvloop
 
 from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
-from averaging.allreduce import AllReduceRound, _Reducer
+from averaging.allreduce import AllReduceRound
 from averaging.partition import FlatTensors
+from averaging.reduction import Reducer
 from dht import DHTNode
 from p2p import Limits, P2PError
 from p2p.codecs import error_bound
@@ -256,7 +257,7 @@ async def test_averaged_chunks_no_sender_was_sent_when_the_round_ends_become_cop
     """The other half of the case above: a chunk still waiting for a slow sender when the round ends
     is served as a copy of the average, not as the owner's buffer, which changes from then on."""
     flat = FlatTensors([torch.full((8,), 1.0)])
-    reducer = _Reducer(flat, flat.chunks(0, 8, 4, Codec.NONE), {1: 1.0}, 1.0, {}, 10.0, None)
+    reducer = Reducer(flat, flat.chunks(0, 8, 4, Codec.NONE), {1: 1.0}, 1.0, {}, 10.0, None)
     for c in range(2):
         reducer.add(1, c, {"c": "none", "d": torch.full((4,), 3.0)})
     assert reducer.take(0)["d"].data_ptr() == flat.flat.data_ptr()  # a view while the round lasts
@@ -272,8 +273,8 @@ async def test_a_reducer_ends_with_the_weighted_mean_of_its_own_values_and_the_s
     own = torch.linspace(-3.0, 5.0, 12)
     sent = {1: (2.0, torch.linspace(7.0, -1.0, 12)), 2: (1e6, torch.full((12,), 0.5)), 3: (0.5, torch.arange(12.0))}
     flat = FlatTensors([own.clone()])
-    reducer = _Reducer(flat, flat.chunks(0, 12, 4, Codec.NONE), {s: w for s, (w, _) in sent.items()}, own_weight,
-                       {}, 10.0, None)
+    reducer = Reducer(flat, flat.chunks(0, 12, 4, Codec.NONE), {s: w for s, (w, _) in sent.items()}, own_weight,
+                      {}, 10.0, None)
     for s, (_, values) in sent.items():
         for c in range(3):
             reducer.add(s, c, {"c": "none", "d": values[4 * c:4 * c + 4].clone()})
@@ -286,7 +287,7 @@ async def test_large_values_at_a_large_weight_are_averaged_and_only_values_that_
     """The running mean never holds more than the largest admitted value, so a weight cannot make it
     overflow; values past half the float32 range could (their difference with ours), and are refused."""
     flat = FlatTensors([torch.full((4,), -1e37)])
-    reducer = _Reducer(flat, flat.chunks(0, 4, 4, Codec.NONE), {1: 1e6, 2: 1.0}, 1.0, {}, 10.0, None)
+    reducer = Reducer(flat, flat.chunks(0, 4, 4, Codec.NONE), {1: 1e6, 2: 1.0}, 1.0, {}, 10.0, None)
     reducer.add(1, 0, {"c": "none", "d": torch.full((4,), 3e37)})
     reducer.add(2, 0, {"c": "none", "d": torch.full((4,), 1.5e38)})  # norm 3e38: over half the range
     assert list(reducer.failed) == [2] and "could overflow the average" in reducer.failed[2]
@@ -296,11 +297,11 @@ async def test_large_values_at_a_large_weight_are_averaged_and_only_values_that_
 
 def counting_norms(monkeypatch) -> list[int]:
     """Counts the reducer's own norm reads (the real function still answers)."""
-    import averaging.allreduce as allreduce
+    import averaging.reduction as reduction
 
     sizes: list[int] = []
-    real = allreduce.norm
-    monkeypatch.setattr(allreduce, "norm", lambda x: sizes.append(x.numel()) or real(x))
+    real = reduction.norm
+    monkeypatch.setattr(reduction, "norm", lambda x: sizes.append(x.numel()) or real(x))
     return sizes
 
 
@@ -308,7 +309,7 @@ async def test_the_median_screen_reads_our_norm_only_where_it_could_change_a_ver
     reads = counting_norms(monkeypatch)
     # three senders of like norms pass against any value ours could have: ours is not read
     flat = FlatTensors([torch.full((8,), 1e6)])
-    reducer = _Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, {}, 10.0, 100.0)
+    reducer = Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, {}, 10.0, 100.0)
     for s, value in ((1, 1.0), (2, 2.0), (3, 50.0)):
         reducer.add(s, 0, {"c": "none", "d": torch.full((8,), value)})
     assert reads == [] and reducer.failed == {}
@@ -316,7 +317,7 @@ async def test_the_median_screen_reads_our_norm_only_where_it_could_change_a_ver
 
     # one sender: ours is the only reference, so it is read, and an outsized sender is refused
     flat = FlatTensors([torch.ones(8)])
-    reducer = _Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0}, 1.0, {}, 10.0, 100.0)
+    reducer = Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0}, 1.0, {}, 10.0, 100.0)
     reducer.add(1, 0, {"c": "none", "d": torch.full((8,), 1000.0)})
     assert reads == [8] and "over 100 x the median norm" in reducer.failed[1]
     assert torch.equal(flat.flat, torch.ones(8))  # the refused chunk stayed out of the mean
@@ -324,7 +325,7 @@ async def test_the_median_screen_reads_our_norm_only_where_it_could_change_a_ver
     # a sender that passes only against our norm, not against the bound without it: ours decides
     reads.clear()
     flat = FlatTensors([torch.full((8,), 10.0)])
-    reducer = _Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, {}, 10.0, 100.0)
+    reducer = Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, {}, 10.0, 100.0)
     for s, value in ((1, 0.01), (2, 1.0), (3, 50.0)):
         reducer.add(s, 0, {"c": "none", "d": torch.full((8,), value)})
     assert reads == [8] and reducer.failed == {}  # 50 is within 100 x 1, the median of (0.01, 1, ours 10)

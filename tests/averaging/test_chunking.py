@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from averaging import Codec, DecentralizedAverager
-from averaging.allreduce import GroupInfo, _Reducer, capped_window
+from averaging.allreduce import GroupInfo, capped_window
 from averaging.partition import MAX_CHUNK, MIN_CHUNK, FlatTensors, auto_chunk_size
+from averaging.reduction import Reducer
 from p2p.allocator import keep_freed_buffers
 from p2p.identity import Identity
 from tests.averaging.means import assert_exact_mean_everywhere, exact_mean
@@ -109,7 +110,7 @@ def test_a_sender_keeps_at_most_12_mib_unanswered_per_reducer():
 async def test_a_reducer_drops_its_copy_of_an_averaged_chunk_once_every_sender_had_it():
     flat = FlatTensors([torch.ones(10)])
     chunks = flat.chunks(0, 10, 5, Codec.NONE)
-    reducer = _Reducer(flat, chunks, {1: 1.0, 2: 1.0}, 1.0, {}, sender_timeout=5.0, norm_ratio=None)
+    reducer = Reducer(flat, chunks, {1: 1.0, 2: 1.0}, 1.0, {}, sender_timeout=5.0, norm_ratio=None)
     for sender in (1, 2):
         for c in range(2):
             reducer.add(sender, c, {"c": "none", "d": torch.full((5,), 4.0)})

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p import Limits, ProtocolError
-from p2p.wire import PREFIX, TENSOR_EXT, Decoder, EncodeError, Encoder, FrameBudget
+from p2p.budget import FrameBudget
+from p2p.wire import PREFIX, TENSOR_EXT, Decoder, EncodeError, Encoder
 
 LIMITS = Limits(max_header_bytes=4096, max_frame_bytes=1 << 20, max_frames=8, max_message_bytes=2 << 20)
 

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from p2p import P2P, Authority, Certificate, Identity, Membership, NotAMember
-from p2p.connection import ERROR, HELLO, VERSION
+from p2p.headers import ERROR, HELLO, VERSION
 from tests.fakes.clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)

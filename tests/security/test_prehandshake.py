@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from p2p import P2P, Authority, Identity, Limits, Membership, PeerUnreachable
-from p2p.connection import _HANDSHAKE_CONTEXT, DATA, HELLO, OPEN, PROOF, VERSION
+from p2p.handshake import HANDSHAKE_CONTEXT
+from p2p.headers import DATA, HELLO, OPEN, PROOF, VERSION
 
 pytestmark = pytest.mark.timeout(30)
 RUN = "run-a"
@@ -115,7 +116,7 @@ class RawMember:
         writer.write(frame({"t": HELLO, "s": 0, "v": VERSION, "pk": identity.public_key, "n": os.urandom(16),
                             "c": 1, "l": None, "m": cert}))
         assert (await read_message(reader))["t"] == PROOF
-        sig = identity.sign(_HANDSHAKE_CONTEXT + theirs["n"] + identity.public_key)
+        sig = identity.sign(HANDSHAKE_CONTEXT + theirs["n"] + identity.public_key)
         writer.write(frame({"t": PROOF, "s": 0, "sig": sig}))
         return cls(reader, writer)
 
