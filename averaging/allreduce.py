@@ -8,8 +8,7 @@ buffer (its own slice is never sent anywhere).
 Flow control: a sender keeps at most ``window`` chunks unanswered per reducer.  An averaged chunk
 comes back only once every sender delivered it, so fast senders cannot run ahead of the slowest
 one: their surplus would only queue in the reducer's memory and crowd the slow sender's packets
-out of the reducer's link (on shaped links this took the round from 0.80 to 0.91 of the
-bandwidth bound, and the reducer's unread bytes from ~100 MB to ~8 MB at 100M elements).
+out of the reducer's link, and hold the reducer's memory in bytes nobody reads yet.
 
 Faults: a sender that makes no progress for ``sender_timeout`` is dropped and each chunk is
 averaged over the weights that arrived; if a reducer dies, its senders keep their local values for

@@ -8,8 +8,8 @@ bounded by each peer's traffic over its bandwidth b_i; DeDLOC's linear program i
 
 and the shares are rounded to integer part sizes that add up to P.
 
-Its optimum has a closed form, so no LP solver runs (nor is imported: scipy's optimize costs
-~0.6 CPU-s and ~40 MB, on the leader, while its group waits).  With T per element, each of the
+Its optimum has a closed form, so no LP solver runs (nor is imported: importing scipy's optimize
+costs the leader CPU time and memory while its group waits).  With T per element, each of the
 k peers with b_i > 0 sends and receives the whole vector whatever its share: T >= 1 / b_i.  A
 share then fits under T up to its cap (T * b_i - 1) / (n - 2), and the caps must add up to 1:
 T >= (n - 2 + k) / sum(b).  The optimum is the larger of the two bounds, with shares

@@ -53,7 +53,7 @@ class ProviderConfig(_Strict):
     trace_file: str | None = None  # replayable CSV of launch/notice/kill offsets
     seed: int = 0
     # local "actors" only (None: on there): fork the instances' workers from one preloaded interpreter,
-    # so a boot does not spend ~5 CPU-seconds of imports on the cores the other simulated instances use
+    # so a boot does not spend seconds of CPU on imports on the cores the other simulated instances use
     warm_image: bool | None = None
     # cloud providers
     project: str | None = None  # gcp: the project instances are launched in
