@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 
-from tests.ray_heads import RayHead, free_port
+from orchestrator.host.ports import free_port
+from orchestrator.host.processes import kill_session, signal_session
+from orchestrator.host.ray_head import RayHead
+from orchestrator.host.wait import wait_for
+from tests.ray_heads import ray_head
 
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -54,15 +58,17 @@ def moto_with_auth() -> Iterator[str]:
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        assert server.poll() is None, "moto did not start"
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+        except OSError:
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto did not start"
-                time.sleep(0.1)  # waiting for the server process to listen, bounded
+        wait_for(listening, 30, "moto to listen", every=0.1)
         yield url
     finally:
         server.terminate()
@@ -307,15 +313,11 @@ class MachineHarness:
             self.machines[key] = Machine(key, zone, instance_id, metadata, leader, temp_dir, time.time())
 
     def _power_off(self, machine: Machine, sig: int) -> None:
-        from orchestrator.sim.nodes import kill_node, node_alive
-
         machine.killed_at = machine.killed_at or time.time()
-        kill_node(machine.leader, sig)
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + 20
-            while node_alive(machine.leader) and time.monotonic() < deadline:
-                time.sleep(0.1)  # a shutdown's grace, bounded
-            kill_node(machine.leader, signal.SIGKILL)
+        if sig == signal.SIGTERM:  # a shutdown: its grace, bounded, then the power
+            kill_session(machine.leader, grace_s=20)
+        else:
+            signal_session(machine.leader, sig)
 
     def preempt(self, instance_id: str, notice_s: float) -> Machine:
         """The notice now; the machine taken back ``notice_s`` later (on a timer: the cloud's own clock)."""
@@ -421,7 +423,7 @@ def ray_heads(tmp_path: Path) -> Iterator:
     started: list[RayHead] = []
 
     def start(name: str) -> RayHead:
-        head = RayHead(name, tmp_path / f"ray-head-{name}.log")
+        head = ray_head(name, tmp_path / f"ray-head-{name}.log")
         started.append(head)
         return head
 
@@ -429,7 +431,7 @@ def ray_heads(tmp_path: Path) -> Iterator:
         yield start
     finally:
         for head in started:
-            head.cleanup()
+            head.close()
 
 
 # ---- playing GCE: the Compute Engine v1 REST API, a metadata server per instance, a harness ----------
