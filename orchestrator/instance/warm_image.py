@@ -209,9 +209,16 @@ class ForkedCommand:
         except (EOFError, OSError):
             raise RuntimeError(f"the warm image ended without the exit status of {self.pid}") from None
         self._conn.close()
+        self._close_pidfd()
+
+    def _close_pidfd(self) -> None:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+    def __del__(self) -> None:  # a command dropped before its end: its descriptor is not kept open
+        with contextlib.suppress(AttributeError, OSError):
+            self._close_pidfd()
 
 
 # ---- the image process ---------------------------------------------------------------------------
