@@ -1,8 +1,9 @@
 """What every benchmark does alike: child processes read with a deadline and killed with their whole
 tree, figures formatted into tables, and the last line of JSON.
 
-Standard library only (Linux /proc): the scripts that the reference library's separate virtualenv
-runs import it too.
+Standard library only when imported (Linux /proc): the scripts that the reference library's separate
+virtualenv runs import it too.  Killing a child goes through ``orchestrator.host`` (psutil), imported
+when a child is killed, which only this project's own scripts do.
 """
 
 from __future__ import annotations
@@ -195,15 +196,19 @@ def process_tree(pid: int) -> dict[int, int | None]:
 
 
 def kill_tree(pid: int, known: dict[int, int | None] | None = None) -> None:
-    """SIGKILL the process group of ``pid`` (a session leader's), then every process of its tree,
-    now or as ``known`` earlier, that left the group (only if it is still the same process)."""
-    tree = {**(known or {}), **process_tree(pid)}
-    with contextlib.suppress(OSError):
-        os.killpg(pid, signal.SIGKILL)
-    for p, started in tree.items():
+    """SIGKILL ``pid``, its process group (a session leader's), its tree, and every process of its tree
+    as ``known`` earlier (``process_tree``) that left both, only while it is still the same process:
+    ``orchestrator.host.processes.kill_tree``."""
+    import psutil
+
+    from orchestrator.host.processes import kill_tree as kill_processes
+
+    remembered = []
+    for p, started in (known or {}).items():
         if p != pid and start_time(p) == started:
-            with contextlib.suppress(OSError):
-                os.kill(p, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                remembered.append(psutil.Process(p))
+    kill_processes(pid, remembered)
 
 
 # ---- child processes ---------------------------------------------------------------------------

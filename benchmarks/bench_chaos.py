@@ -24,6 +24,7 @@ as skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -37,6 +38,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import ROOT, Child, fmt, print_json, print_table  # noqa: E402
+from orchestrator.host.processes import kill_session, processes_mentioning  # noqa: E402
 from orchestrator.runs.chaos_report import FAULT_KINDS as KINDS  # noqa: E402
 from orchestrator.runs.chaos_report import PHASES, REPORT  # noqa: E402
 
@@ -57,22 +59,12 @@ def write_config(base: Path, name: str) -> tuple[Path, Path]:
 
 def kill_left_nodes(cluster: str) -> int:
     """SIGKILL the sessions of Ray nodes a cut-short run left (they are detached, not its children)."""
-    import psutil
-
-    marker = f"spotswarm-instance-{cluster}-"
     sessions = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in part for part in proc.info["cmdline"] or ()):
-                sessions.add(os.getsid(proc.pid))
-        except (psutil.Error, OSError):
-            continue
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) in sessions:
-                proc.kill()
-        except (psutil.Error, OSError):
-            continue
+    for proc in processes_mentioning(f"spotswarm-instance-{cluster}-"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            sessions.add(os.getsid(proc.pid))
+    for sid in sessions:
+        kill_session(sid)
     return len(sessions)
 
 

@@ -56,6 +56,8 @@ sys.path.insert(0, str(HERE))
 
 from _common import ChildFailed, emit, fmt, print_json, print_table, run_for_json  # noqa: E402
 
+from orchestrator.host.wait import wait_for  # noqa: E402
+
 TIME_SCALE = 10.0  # simulated seconds per real second
 LOSS_EPOCHS = 5  # the loss ratio compares the mean loss of the last this many epochs both runs reached
 
@@ -88,14 +90,6 @@ def _rows(run_dir: Path, sql: str, *args: Any) -> list:
         return db.execute(sql, args).fetchall()
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.2)  # polling the run for a condition, bounded
-
-
 def cpu_seconds(core: Any) -> dict[str, float]:
     """CPU seconds used so far by the machine (every core, busy time) and by the trainers' processes."""
     import psutil
@@ -126,11 +120,11 @@ def one_run(base: Path, name: str, window_s: float, lifetime_s: float | None, no
     core.start()
     try:
         replicas = config.experts.replicas
-        _wait(lambda: core.experts.summary()["min_replicas"] >= replicas, 120, "every expert placed")
-        _wait(lambda: _rows(run_dir, "SELECT 1 FROM progress"), 120, "the first epoch")
+        wait_for(lambda: core.experts.summary()["min_replicas"] >= replicas, 120, "every expert placed", every=0.2)
+        wait_for(lambda: _rows(run_dir, "SELECT 1 FROM progress"), 120, "the first epoch", every=0.2)
         # the trainers' mixture counts sampled since that epoch, so the window leaves out the calls made
         # while the first experts were still being declared
-        _wait(lambda: core.experts.summary()["calls"] > 0, 60, "the trainers' first mixture counts")
+        wait_for(lambda: core.experts.summary()["calls"] > 0, 60, "the trainers' first mixture counts", every=0.2)
         start, t0, cpu0 = core.experts.summary(), core.clock(), cpu_seconds(core)
         time.sleep(window_s)  # the measurement window itself
         end, t1, cpu1 = core.experts.summary(), core.clock(), cpu_seconds(core)

@@ -3,16 +3,18 @@ unretrieved exception, an unclosed transport): a clean shutdown leaves no traceb
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import importlib.util
 import logging
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from orchestrator.host.wait import wait_for as host_wait_for
+from orchestrator.host.wait import wait_for_async
 
 # Token authentication, Ray's default for a local cluster, for every Ray this process starts or joins
 # (the shared head, test_chaos's local one): set before Ray is imported, which reads it once.
@@ -28,6 +30,7 @@ settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+_wait_for = functools.partial(host_wait_for, every=0.1)
 
 
 class _ErrorCollector(logging.Handler):
@@ -58,33 +61,18 @@ def artifacts_dir() -> Path:
     return ARTIFACTS
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    """Poll a condition until it holds (returns as soon as it does; never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="session")
 def wait_for():
+    """``wait_for(predicate, timeout, what)``: poll a condition until it holds (returns as soon as it
+    does; never a fixed sleep), a TimeoutError naming ``what`` past ``timeout``."""
     return _wait_for
-
-
-async def _until(predicate, timeout: float, what: str) -> None:
-    """``_wait_for`` for async tests: the event loop runs between polls."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
 def until():
-    return _until
+    """``wait_for`` for async tests: ``await until(predicate, timeout, what)``; the event loop runs
+    between polls."""
+    return wait_for_async
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,13 +102,13 @@ def shared_ray_head(tmp_path_factory):
     of a second, where a local Ray of each module's own took about 5 s and 9 CPU-seconds to start and
     stop."""
     pytest.importorskip("ray")
-    from tests.ray_heads import RayHead
+    from tests.ray_heads import ray_head
 
-    head = RayHead("shared", tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2, own_token=False)
+    head = ray_head("shared", tmp_path_factory.mktemp("ray") / "head.log", num_cpus=2, own_token=False)
     try:
         yield head
     finally:
-        head.cleanup()
+        head.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Imports point down only: the library layers (p2p → dht → averaging, experts → workers →
-orchestrator) and the orchestrator's rooms (config → providers → runs → instance → ui → sim → fleet →
-chaos → cli).  Every import counts, those inside functions too, and none may close a circle."""
+orchestrator) and the orchestrator's rooms (host → config → providers → runs → instance → ui → sim →
+fleet → chaos → cli).  Every import counts, those inside functions too, and none may close a circle."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MAY_IMPORT = {
     "workers": {"p2p", "dht", "averaging", "experts"},
     "orchestrator": {"p2p", "dht", "averaging", "experts", "workers"},
 }
-ROOMS = ["config", "providers", "runs", "instance", "ui", "sim", "fleet", "chaos", "cli"]
+ROOMS = ["host", "config", "providers", "runs", "instance", "ui", "sim", "fleet", "chaos", "cli"]
 
 
 def _module_name(path: Path) -> str:

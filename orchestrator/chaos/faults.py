@@ -18,8 +18,9 @@ from typing import Any
 import ray
 
 from orchestrator.chaos import disk as chaos_disk
+from orchestrator.host.processes import signal_session
 from orchestrator.instance.actor import worker_actor_name
-from orchestrator.sim.nodes import kill_node, node_alive, worker_pids
+from orchestrator.sim.nodes import node_alive, worker_pids
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def kill_worker(node: Node) -> str:
 
 
 def kill_whole_node(node: Node) -> str:
-    kill_node(node.leader, signal.SIGKILL)
+    signal_session(node.leader, signal.SIGKILL)
     return f"SIGKILL of every process of the node's session {node.leader}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 
 import psutil
@@ -22,6 +22,7 @@ from rich.table import Table
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.fleet.ray_session import RayConnectError, start_ray
+from orchestrator.host.wait import wait_for
 from orchestrator.runs import figures
 from orchestrator.runs import pid as run_pid
 from orchestrator.runs.store import RunStore
@@ -296,9 +297,9 @@ def _down_run(run_dir: str, console: Console, address: str | None = None) -> int
             pid_file.unlink(missing_ok=True)
         return _down_detached(Path(run_dir), console, address)
     with closing(RunStore.open(Path(run_dir))) as store:  # the stop's final checkpoint may take this long too
-        deadline = time.monotonic() + 180 + store.config().checkpoint.final_timeout_s
-    while pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)  # waiting for the run's own command to release everything, bounded
+        timeout = 180 + store.config().checkpoint.final_timeout_s
+    with suppress(TimeoutError):  # the run's own command releases everything; bounded
+        wait_for(lambda: not pid_file.exists(), timeout, "the run's command to stop", every=0.5)
     console.print(f"{run_dir}: stopped; every instance released, data kept")
     return 0
 

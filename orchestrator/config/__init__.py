@@ -1,2 +1,2 @@
 """A run's settings: the cluster YAML's schema, how files and flags are read, what a cloud accepts in a
-node type, and the whole file judged at once.  The lowest room: it imports no other."""
+node type, and the whole file judged at once.  It imports no other room."""

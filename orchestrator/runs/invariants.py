@@ -17,8 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
+from orchestrator.host.processes import processes_mentioning
 from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
 from orchestrator.runs.figures import cost_breakdown
 from orchestrator.runs.logs import LOG_DIR, SUPERVISOR_LOG, log_files
@@ -140,19 +139,6 @@ def check_logs_present(run_dir: Path, names: Iterable[str]) -> list[Violation]:
     """A log that should be there and is not: a check that scanned nothing would pass anything."""
     return [Violation("logs", f"{run_dir / LOG_DIR / (name + '.log')} missing (expected for {name})")
             for name in names if not log_files(run_dir, name)]
-
-
-def processes_mentioning(marker: str, exclude: Iterable[int] = ()) -> list[psutil.Process]:
-    """Live processes whose command line names ``marker`` (a run directory, a session's path)."""
-    skip = set(exclude)
-    out = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.pid in skip or proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if any(marker in part for part in proc.info["cmdline"] or ()):
-                out.append(proc)
-    return out
 
 
 def check_leaks(marker: str, exclude: Iterable[int] = ()) -> list[Violation]:

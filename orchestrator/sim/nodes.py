@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import Any
 import psutil
 
 from orchestrator.config.schema import ClusterConfig
+from orchestrator.host.processes import session_pids, session_processes, signal_session
+from orchestrator.host.wait import wait_for
 from orchestrator.providers.base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
 from orchestrator.providers.bootstrap import ray_auth_token
 from orchestrator.sim.actors import SimulatedMarket, _Schedule
@@ -56,56 +57,39 @@ def boot_detached(script: str, state_dir: Path, name: str, env: dict[str, str], 
 
 
 def _read_pid(pid_file: Path, timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def pid() -> int | None:
         try:
             text = pid_file.read_text().strip()
         except FileNotFoundError:
             text = ""
-        if text:
-            return int(text)
-        time.sleep(0.01)  # the detached boot process writes it within milliseconds
-    raise RuntimeError(f"the boot process did not start within {timeout:.0f} s (no {pid_file.name})")
+        return int(text) if text else None
 
-
-def _node_pids(leader: int) -> list[int]:
-    """Every process of the node started by ``leader``: its session.  (Ray gives each worker a
-    process group of its own, so the node's process group alone would leave the actors alive.)"""
-    pids = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == leader:
-                pids.append(proc.pid)
-        except OSError:  # gone meanwhile, or not ours to ask
-            continue
-    return pids
+    try:  # the detached boot process writes it within milliseconds
+        return wait_for(pid, timeout, f"the boot process to start (its {pid_file.name})", every=0.01)
+    except TimeoutError:
+        raise RuntimeError(f"the boot process did not start within {timeout:.0f} s (no {pid_file.name})") from None
 
 
 def worker_pids(leader: int, marker: str = "WorkerActor") -> list[int]:
     """The processes of a node whose command line names ``marker`` (Ray titles an actor's process
     ``ray::WorkerActor``...): what a fault injector kills or pauses without the rest of the machine."""
     found = []
-    for pid in _node_pids(leader):
+    for proc in session_processes(leader):
         with suppress(psutil.Error):
-            if marker in " ".join(psutil.Process(pid).cmdline()):
-                found.append(pid)
+            if marker in " ".join(proc.cmdline()):
+                found.append(proc.pid)
     return found
 
 
 def node_alive(leader: int) -> bool:
     """Whether any process of the node lives.  While the session's leader (the boot script) runs,
     it does, and asking the leader alone spares a scan of every process on the machine: the local
-    provider asks this of every instance on every poll."""
+    provider asks this of every instance on every poll.  (The node is its session: Ray gives each
+    worker a process group of its own, so the node's process group alone would leave the actors.)"""
     with suppress(psutil.Error, OSError):
         if os.getsid(leader) == leader and psutil.Process(leader).status() != psutil.STATUS_ZOMBIE:
             return True
-    return bool(_node_pids(leader))
-
-
-def kill_node(leader: int, sig: int) -> None:
-    for pid in _node_pids(leader):
-        with suppress(ProcessLookupError):
-            os.kill(pid, sig)
+    return bool(session_pids(leader))
 
 
 class LocalNodeProvider(SimulatedMarket, NodeProvider):
@@ -143,7 +127,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         try:
             self._save(inst, namespace)
         except BaseException:  # unrecorded, nobody could find it again: the launch fails without a machine
-            kill_node(leader, signal.SIGKILL)
+            signal_session(leader, signal.SIGKILL)
             self.instances.pop(inst.id, None)
             raise
         logger.info("instance %s: Ray node starting as session %d%s", inst.id, leader,
@@ -257,7 +241,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         gone = []
         for instance_id, inst in list(self.instances.items()):
             if self.due_kill(instance_id, now):
-                kill_node(inst.handle, signal.SIGKILL)  # a real preemption: the machine just stops
+                signal_session(inst.handle, signal.SIGKILL)  # a real preemption: the machine just stops
                 logger.info("preempted %s: killed its Ray node (session %d)", instance_id, inst.handle)
             elif node_alive(inst.handle):
                 continue
@@ -270,8 +254,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
         leader = instance.handle
         with suppress(ProcessLookupError):
             os.kill(leader, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        while node_alive(leader) and time.monotonic() < deadline:
-            time.sleep(0.1)  # waiting for processes to exit, bounded
-        kill_node(leader, signal.SIGKILL)
+        with suppress(TimeoutError):
+            wait_for(lambda: not node_alive(leader), self.stop_timeout, f"node {instance.id} to stop", every=0.1)
+        signal_session(leader, signal.SIGKILL)
         self._forget(instance.id)

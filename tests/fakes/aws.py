@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from urllib.parse import parse_qs
 
+from orchestrator.host.ports import free_port
+from orchestrator.host.wait import wait_for
 from tests.fakes.servers import LoopServers
-from tests.ray_heads import free_port
 
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -56,15 +57,17 @@ def moto_server_with_auth() -> Iterator[str]:
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        assert server.poll() is None, "moto did not start"
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+        except OSError:
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto did not start"
-                time.sleep(0.1)  # waiting for the server process to listen, bounded
+        wait_for(listening, 30, "moto to listen", every=0.1)
         yield url
     finally:
         server.terminate()

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orchestrator.host.processes import kill_session, signal_session
 from tests.fakes.aws import FAKE_CREDENTIALS, FakeImds
 from tests.fakes.gce import FakeComputeApi, FakeGceMetadata
 from tests.fakes.servers import LoopServers
@@ -89,15 +90,11 @@ class MachineHarness:
             self.machines[key] = Machine(key, zone, instance_id, metadata, leader, temp_dir, time.time())
 
     def _power_off(self, machine: Machine, sig: int) -> None:
-        from orchestrator.sim.nodes import kill_node, node_alive
-
         machine.killed_at = machine.killed_at or time.time()
-        kill_node(machine.leader, sig)
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + 20
-            while node_alive(machine.leader) and time.monotonic() < deadline:
-                time.sleep(0.1)  # a shutdown's grace, bounded
-            kill_node(machine.leader, signal.SIGKILL)
+        if sig == signal.SIGTERM:  # a shutdown: its grace, bounded, then the power
+            kill_session(machine.leader, grace_s=20)
+        else:
+            signal_session(machine.leader, sig)
 
     def preempt(self, instance_id: str, notice_s: float) -> Machine:
         """The notice now; the machine taken back ``notice_s`` later (on a timer: the cloud's own clock)."""

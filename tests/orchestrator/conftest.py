@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.host.ray_head import RayHead
 from tests.fakes.aws import AwsProxy, FakeImds, moto_server, moto_server_with_auth, reset_moto
 from tests.fakes.gce import FakeComputeApi, FakeGceMetadata
 from tests.fakes.machines import Ec2Harness, GceHarness
 from tests.fakes.servers import LoopServers
-from tests.ray_heads import RayHead
+from tests.ray_heads import ray_head
 
 
 # ---- AWS: moto, a proxy in front of it, a fake IMDS, a harness that boots instances -----------------
@@ -71,7 +72,7 @@ def ray_heads(tmp_path: Path) -> Iterator:
     started: list[RayHead] = []
 
     def start(name: str) -> RayHead:
-        head = RayHead(name, tmp_path / f"ray-head-{name}.log")
+        head = ray_head(name, tmp_path / f"ray-head-{name}.log")
         started.append(head)
         return head
 
@@ -79,7 +80,7 @@ def ray_heads(tmp_path: Path) -> Iterator:
         yield start
     finally:
         for head in started:
-            head.cleanup()
+            head.close()
 
 
 # ---- GCE: the Compute Engine v1 REST API, a metadata server, a harness that boots instances ---------

@@ -4,10 +4,10 @@ session token, finds the interruption notice and the rebalance recommendation, a
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from orchestrator.host.wait import wait_for
 from orchestrator.instance.notices import ImdsClient, NoticeWatcher
 
 pytestmark = pytest.mark.timeout(30)
@@ -51,10 +51,7 @@ def test_watcher_reports_each_notice_once_then_stops(fake_imds):
 def test_unreachable_metadata_is_not_fatal(caplog):
     watcher = NoticeWatcher(lambda n: None, interval_s=0.05, client=ImdsClient("http://127.0.0.1:9", timeout=0.2))
     watcher.start()
-    deadline = time.monotonic() + 10
-    while "unreadable" not in caplog.text:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)  # waiting for the watcher's first failed poll, bounded
+    wait_for(lambda: "unreadable" in caplog.text, 10, "the watcher's first failed poll")
     assert watcher._thread.is_alive()
     watcher.stop()
     assert not watcher._thread.is_alive()

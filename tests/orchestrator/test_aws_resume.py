@@ -97,7 +97,7 @@ def test_head_loss_resume_restores_from_s3_on_a_new_head(tmp_path, aws, ec2_harn
 
         # the head machine and every instance's node die at once
         up.send_signal(signal.SIGKILL)
-        old_head.kill()
+        old_head.stop()
         ec2_harness.crash_all()
         killed_at = time.time()
         epoch_at_kill = epoch(old_db)

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from orchestrator.host.wait import wait_for
 from orchestrator.instance.notices import (
     GCE_PREEMPTION_NOTICE_S,
     GceMetadataClient,
@@ -24,10 +25,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)  # polling a condition, bounded
+    wait_for(predicate, timeout, "the metadata server or the watcher", every=0.02)
 
 
 def test_client_reads_the_flag_with_the_header_from_gce_metadata_host(gce_metadata, monkeypatch):

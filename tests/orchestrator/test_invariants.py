@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from orchestrator.cli.main import main
-from orchestrator.runs.invariants import check_leaks, check_run, processes_mentioning, stalls
+from orchestrator.host.processes import processes_mentioning
+from orchestrator.runs.invariants import check_leaks, check_run, stalls
 from tests.dashboard.conftest import T0, fill_run
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """Whether a ``nodes``-mode machine lives, on real detached sessions (no Ray): alive while its boot
 script runs, still alive while any process of its session outlives the script, dead once all are
-gone.  ``_node_pids`` (the scan of every process) is the reference the quick answer must agree with."""
+gone.  ``session_pids`` (the scan of every process) is the reference the quick answer must agree with."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.sim.nodes import _node_pids, boot_detached, kill_node, node_alive
+from orchestrator.host.processes import session_pids, signal_session
+from orchestrator.sim.nodes import boot_detached, node_alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,18 +23,18 @@ def test_a_node_lives_while_any_process_of_its_session_does(tmp_path: Path, wait
     try:
         wait_for(marker.exists, 20, "the boot script's child started")
         assert node_alive(leader)  # the boot script runs
-        child = next(pid for pid in _node_pids(leader) if pid != leader)
+        child = next(pid for pid in session_pids(leader) if pid != leader)
 
         os.kill(leader, signal.SIGKILL)  # the script dies; its child, in the same session, runs on
-        wait_for(lambda: leader not in _node_pids(leader), 20, "the boot script gone")
+        wait_for(lambda: leader not in session_pids(leader), 20, "the boot script gone")
         assert psutil.pid_exists(child)
         assert node_alive(leader)
 
-        kill_node(leader, signal.SIGKILL)
+        signal_session(leader, signal.SIGKILL)
         wait_for(lambda: not node_alive(leader), 20, "every process of the session gone")
-        assert _node_pids(leader) == []
+        assert session_pids(leader) == []
     finally:
-        kill_node(leader, signal.SIGKILL)
+        signal_session(leader, signal.SIGKILL)
 
 
 def test_an_unknown_session_is_not_alive() -> None:

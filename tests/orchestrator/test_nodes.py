@@ -7,13 +7,13 @@ import os
 import signal
 from pathlib import Path
 
-import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.fleet.supervisor import SupervisorCore  # noqa: E402
+from orchestrator.host.processes import session_pids  # noqa: E402
 from orchestrator.instance.actor import worker_actor_name  # noqa: E402
 from orchestrator.runs.store import RunStore  # noqa: E402
 from orchestrator.sim.nodes import worker_pids  # noqa: E402
@@ -59,14 +59,7 @@ def worker_pid(run_dir: Path, instance_id: str) -> int:
 
 def process_groups_alive(run_dir: Path) -> list[str]:
     """Instances with any process of their node's session still running (raylet, agents, worker)."""
-    sessions = {}
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE:
-                sessions.setdefault(os.getsid(proc.pid), proc.pid)
-        except OSError:
-            continue
-    return sorted(f.stem for f in (run_dir / "nodes").glob("*.pid") if int(f.read_text()) in sessions)
+    return sorted(f.stem for f in (run_dir / "nodes").glob("*.pid") if session_pids(int(f.read_text())))
 
 
 def test_instances_are_ray_nodes_preemption_replaces_a_node_and_a_restart_adopts(tmp_path, wait_for):

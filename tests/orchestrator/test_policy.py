@@ -21,6 +21,7 @@ import pytest
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.config.tags import RUN_TAG
 from orchestrator.fleet.policy import FleetPolicy
+from orchestrator.host.wait import wait_for
 from orchestrator.providers.base import Instance
 from orchestrator.runs.store import RunStore, summarize_costs
 from tests.fakes.clock import FakeClock
@@ -112,10 +113,8 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
 
 # ---- driving the tick -----------------------------------------------------------------------------
 def wait_until(condition: Callable[[], bool], deadline: float, what: str) -> None:
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.001)
+    """``wait_for`` against a deadline that several waits share (a settle, a tick loop)."""
+    wait_for(condition, max(deadline - time.monotonic(), 0.0), what, every=0.001)
 
 
 def poll_done(policy: FleetPolicy) -> bool:

@@ -1,10 +1,16 @@
 """The local simulator's warm image: workers forked from one preloaded interpreter, each bound to its
 actor's process as the in-process worker was (a kill of either is a kill of both), answering its
 actor's calls as the in-process ``WorkerCore`` would, errors included.  This test's process stands in
-for the Ray actor (the fleet tests run the real ones)."""
+for the Ray actor (the fleet tests run the real ones).
+
+Also its commands (``python -m MODULE ARGV`` in a forked child, what the worker tests start their
+peers with): their own pid, files, signals and exit status, forked or, as on a machine where the
+preload started CUDA, exec'd afresh in the fork."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,7 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.instance.warm_image import ForkedCore, WarmImage
+from orchestrator.host.processes import kill_tree
+from orchestrator.host.wait import wait_for
+from orchestrator.instance.warm_image import ForkedCommand, ForkedCore, WarmImage
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,11 +50,11 @@ def _actor(image: WarmImage) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def _kill(pid: int) -> None:
-    try:
-        psutil.Process(pid).kill()
-    except psutil.NoSuchProcess:
-        pass
+def _command(image: WarmImage, argv: list[str], tmp_path: Path, name: str, fresh: bool = False) -> ForkedCommand:
+    """``spotswarm ARGV`` forked from the image, its output in ``tmp_path/NAME.out`` and ``.err``."""
+    return ForkedCommand(image.path, "orchestrator.cli.main", argv, stdout=tmp_path / f"{name}.out",
+                         stderr=tmp_path / f"{name}.err", cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, fresh=fresh)
 
 
 def test_each_actor_gets_its_own_worker_process_with_its_own_identity(image):
@@ -60,8 +68,8 @@ def test_each_actor_gets_its_own_worker_process_with_its_own_identity(image):
             (first.worker_pid, 0, False, "idle")
         assert first.history() == [] and first.expert_stats() == {"role": "trainer"}
     finally:
-        _kill(first.worker_pid)
-        _kill(second.worker_pid)
+        kill_tree(first.worker_pid)
+        kill_tree(second.worker_pid)
 
 
 def test_an_error_in_the_worker_is_raised_in_its_actor_and_the_worker_answers_on(image):
@@ -73,7 +81,7 @@ def test_an_error_in_the_worker_is_raised_in_its_actor_and_the_worker_answers_on
             core._call("_secret")  # only the core's public calls
         assert core.status()["worker_pid"] == core.worker_pid
     finally:
-        _kill(core.worker_pid)
+        kill_tree(core.worker_pid)
 
 
 def test_a_killed_actor_takes_its_worker_with_it(image):
@@ -123,3 +131,39 @@ def test_the_image_ends_with_its_owner_and_when_closed(tmp_path):
 def test_no_image_at_that_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         ForkedCore(str(tmp_path / "absent.sock"))  # the actor then boots in its own process
+
+
+def test_a_forked_command_is_a_child_of_the_image_with_its_files_and_exit_code(image, tmp_path):
+    helped = _command(image, ["--help"], tmp_path, "help")
+    refused = _command(image, ["no-such-command"], tmp_path, "bad")
+    assert helped.wait(timeout=60) == 0
+    assert (tmp_path / "help.out").read_text().startswith("usage: ")
+    assert refused.wait(timeout=60) == 2  # argparse's exit code, from the forked interpreter
+    assert "invalid choice: 'no-such-command'" in (tmp_path / "bad.err").read_text()
+
+
+def test_a_forked_command_is_signalled_and_reports_the_signal_that_ended_it(image, tmp_path):
+    server = ForkedCommand(image.path, "http.server", ["0", "--bind", "127.0.0.1"], stdout=tmp_path / "s.out",
+                           stderr=tmp_path / "s.err", cwd=tmp_path)
+    try:
+        assert psutil.Process(server.pid).ppid() == image.process.pid
+        wait_for(lambda: psutil.Process(server.pid).net_connections("tcp"), 30, "the server to listen")
+        assert server.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.wait(timeout=0.1)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == -signal.SIGTERM  # as subprocess says it
+        server.send_signal(signal.SIGKILL)  # once it ended, nothing (its pid may be another's)
+    finally:
+        server.send_signal(signal.SIGKILL)
+
+
+def test_an_execd_command_writes_to_its_files_and_exits_with_its_own_code(image, tmp_path):
+    """The image's other way to run a command, the one a GPU machine takes (where its preload started
+    CUDA): a fresh interpreter exec'd in the fork, with the same files and exit code as a forked child."""
+    helped = _command(image, ["--help"], tmp_path, "help", fresh=True)
+    refused = _command(image, ["no-such-command"], tmp_path, "bad", fresh=True)
+    assert helped.wait(timeout=60) == 0
+    assert (tmp_path / "help.out").read_text().startswith("usage: ")
+    assert refused.wait(timeout=60) == 2  # argparse's exit code, from the exec'd interpreter
+    assert "invalid choice: 'no-such-command'" in (tmp_path / "bad.err").read_text()

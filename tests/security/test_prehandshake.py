@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from orchestrator.host.wait import wait_for_async
 from p2p import P2P, Authority, Identity, Limits, Membership, PeerUnreachable
 from p2p.handshake import HANDSHAKE_CONTEXT
 from p2p.headers import DATA, HELLO, OPEN, PROOF, VERSION
@@ -64,11 +65,7 @@ async def size(request, ctx):
 
 async def until(predicate, timeout: float = 5.0) -> None:
     """Wait for a condition the event loop will bring about (polls; returns as soon as it holds)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
+    await wait_for_async(predicate, timeout, "the node's connections and budget", every=0.005)
 
 
 def frame(header: dict, frame_lengths: tuple[int, ...] = ()) -> bytes:
@@ -225,6 +222,7 @@ async def test_half_open_connections_past_the_cap_are_closed_at_once(nodes, capl
 
 _NODE = """
 import asyncio, json, sys
+from orchestrator.host.wait import wait_for_async
 from p2p import P2P, Certificate, Identity, Limits, Membership
 async def main():
     identity_path, token, authority, run, limits = sys.argv[1:6]

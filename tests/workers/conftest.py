@@ -1,17 +1,18 @@
-"""Training peers as real processes (``spotswarm worker``, forked from a preloaded interpreter: see
-``zygote.py``), read through their reports."""
+"""Training peers as real processes (``spotswarm worker``, forked from the simulator's warm image: see
+``orchestrator/instance/warm_image.py``), read through their reports."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
+
+from orchestrator.host.wait import wait_for
+from orchestrator.instance.warm_image import ForkedCommand, WarmImage
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -19,80 +20,32 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 class _Lines:
     """A forked worker's stdout, a file it writes: ``readline`` waits for a whole line."""
 
-    def __init__(self, path: Path, proc: ForkedProcess) -> None:
+    def __init__(self, path: Path, proc: ForkedCommand) -> None:
         self.path, self.proc, self.offset = path, proc, 0
 
+    def _text(self) -> str:
+        return self.path.read_text() if self.path.exists() else ""
+
     def readline(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.path.read_text() if self.path.exists() else ""
-            end = text.find("\n", self.offset)
-            if end >= 0:
-                line, self.offset = text[self.offset:end + 1], end + 1
-                return line
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return text[self.offset:]  # what it wrote before it ended (or stalled), as a pipe would give
-            time.sleep(0.02)
-
-
-class ForkedProcess:
-    """What the tests use of ``subprocess.Popen``, for a child of the zygote (whose exit code the
-    zygote writes to a file, being its parent)."""
-
-    def __init__(self, pid: int, stdout: Path, exit_file: Path) -> None:
-        self.pid, self.exit_file = pid, exit_file
-        self.returncode: int | None = None
-        self.stdout = _Lines(stdout, self)
-
-    def poll(self) -> int | None:
-        if self.returncode is None and self.exit_file.exists():
-            self.returncode = int(self.exit_file.read_text())
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
-            os.kill(self.pid, sig)
+        """The next line; what it wrote before it ended (or stalled), as a pipe would give."""
+        with suppress(TimeoutError):
+            wait_for(lambda: "\n" in self._text()[self.offset:] or self.proc.poll() is not None, timeout,
+                     "a line", every=0.02)
+        text = self._text()
+        end = text.find("\n", self.offset)
+        line = text[self.offset:end + 1] if end >= 0 else text[self.offset:]
+        self.offset += len(line)
+        return line
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-class Zygote:
-    """The preloaded interpreter of ``zygote.py``: one per test session, forking every worker."""
-
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**_env(), **(env or {})})
-
-    def fork(self, argv: list[str], stdout: Path, stderr: Path, cwd: Path) -> ForkedProcess:
-        exit_file = stdout.with_suffix(".exit")
-        command = {"argv": argv, "stdout": str(stdout), "stderr": str(stderr), "exit": str(exit_file),
-                   "cwd": str(cwd), "env": _env()}
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        assert answer, f"the zygote died (exit code {self.proc.wait(timeout=30)})"
-        return ForkedProcess(json.loads(answer)["pid"], stdout, exit_file)
-
-    def close(self) -> None:
-        self.proc.stdin.close()  # it kills what still runs and exits
-        self.proc.wait(timeout=60)
-        self.proc.stdout.close()
-
-
 class Worker:
-    def __init__(self, proc: ForkedProcess, report: Path, log: Path) -> None:
+    def __init__(self, proc: ForkedCommand, out: Path, report: Path, log: Path) -> None:
         self.proc, self.report, self.log = proc, report, log
+        self.stdout = _Lines(out, proc)
         self.address: str | None = None
 
     def records(self) -> list[dict]:
@@ -115,8 +68,8 @@ class Worker:
 
 
 class WorkerSwarm:
-    def __init__(self, tmp: Path, zygote: Zygote) -> None:
-        self.tmp, self.zygote = tmp, zygote
+    def __init__(self, tmp: Path, image: WarmImage) -> None:
+        self.tmp, self.image = tmp, image
         self.workers: list[Worker] = []
 
     def start(self, *args: str, initial: Worker | None = None, **options) -> Worker:
@@ -127,7 +80,7 @@ class WorkerSwarm:
         them listens."""
         launched = [self._launch(*args, initial=initial, **options) for _ in range(count)]
         for worker in launched:
-            line = worker.proc.stdout.readline(timeout=120)
+            line = worker.stdout.readline(timeout=120)
             assert line.startswith("worker "), f"worker did not start: {line!r}\n{worker.stderr()}"
             worker.address = line.split()[-1]
         return launched
@@ -140,20 +93,20 @@ class WorkerSwarm:
             argv += [f"--{key.replace('_', '-')}", str(value)]
         if initial is not None:
             argv += ["--initial-peers", initial.address]
-        proc = self.zygote.fork(argv, stdout=out, stderr=log, cwd=ROOT)
-        worker = Worker(proc, report, log)
+        proc = ForkedCommand(self.image.path, "orchestrator.cli.main", argv, stdout=out, stderr=log, cwd=ROOT,
+                             env=_env())
+        worker = Worker(proc, out, report, log)
         self.workers.append(worker)  # before it listens: stop_all ends it whatever happens next
         return worker
 
     def wait(self, predicate, timeout: float, what: str) -> None:
-        """Poll a condition on the workers' reports (not a sleep: it returns as soon as it holds)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.05)
-        logs = "\n".join(f"--- worker {i}\n{w.stderr()[-3000:]}" for i, w in enumerate(self.workers))
-        raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        """Poll a condition on the workers' reports (not a sleep: it returns as soon as it holds); on
+        timeout, the end of every worker's log."""
+        try:
+            wait_for(predicate, timeout, what)
+        except TimeoutError as e:
+            logs = "\n".join(f"--- worker {i}\n{w.stderr()[-3000:]}" for i, w in enumerate(self.workers))
+            raise AssertionError(f"{e}\n{logs}") from None
 
     def finish(self, workers: list[Worker], timeout: float = 60) -> None:
         for w in workers:
@@ -180,22 +133,17 @@ class WorkerSwarm:
 
 
 @pytest.fixture(scope="session")
-def zygote():
-    forks = Zygote()
-    yield forks
-    forks.close()
+def warm_image():
+    """One image per test session, forking every worker (each starts in milliseconds, not after a
+    fresh interpreter's seconds of imports); on a machine where its preload started CUDA, each is a
+    fresh interpreter exec'd in the fork instead."""
+    image = WarmImage(_env())
+    yield image
+    image.close()
 
 
 @pytest.fixture
-def execing_zygote():
-    """A zygote whose children exec a fresh interpreter, as where its preload started CUDA."""
-    forks = Zygote({"ZYGOTE_EXEC": "1"})
-    yield forks
-    forks.close()
-
-
-@pytest.fixture
-def worker_swarm(tmp_path, zygote):
-    swarm = WorkerSwarm(tmp_path, zygote)
+def worker_swarm(tmp_path, warm_image):
+    swarm = WorkerSwarm(tmp_path, warm_image)
     yield swarm
     swarm.stop_all()

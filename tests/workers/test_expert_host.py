@@ -3,14 +3,13 @@ that average their parameters."""
 
 from __future__ import annotations
 
-import time
-
 import pydantic
 import pytest
 import torch
 
 from experts import ExpertClient, RemoteExpert, UnknownExpert, get_experts, load_state_bytes, params_checksum
 from experts.handoff import state_bytes
+from orchestrator.host.wait import wait_for
 from workers.expert_host import ExpertGridSpec, ExpertHost, ExpertHostConfig, fresh_expert, grid_uids
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,13 +41,6 @@ def trained(uid: str) -> torch.nn.Module:
 
 def params(state_bytes_: bytes, uid: str) -> dict[str, torch.Tensor]:
     return load_state_bytes(state_bytes_, uid)["module"]
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_grid_and_fresh_experts_are_the_same_everywhere():
