@@ -1,7 +1,7 @@
-"""A cluster YAML read and judged whole: the schema (``config.py``), then what only the providers
+"""A cluster YAML read and judged whole: the schema (``schema.py``), then what only the providers
 can judge (their ``node_config`` keys, cross-section checks), with every problem at its line.
 
-Apart from ``config.py`` so that the models never import the providers, which import the models.
+Apart from ``schema.py`` so that the models never import the providers, which import the models.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each tick (never waiting on a worker): learn the addresses of expert servers that came up; forget
 servers that are gone, and have their experts' other replicas declare themselves at once; plan
-(``expert_placement``) and send assignments, each expert loaded from a live replica, else from its
+(``placement.py``) and send assignments, each expert loaded from a live replica, else from its
 checkpoint, else fresh; after a move, drop the expert from the server that had too many; every
 ``checkpoint.every_s`` pull each expert's state from one holder into
 ``<checkpoint dir>/experts/<uid>.pt`` (what a run resumed after losing everything starts from); and

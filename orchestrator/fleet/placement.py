@@ -1,6 +1,6 @@
 """Which expert server holds which expert: every expert on ``replicas`` servers, loads even.
 
-Pure bookkeeping, no Ray and no network, so the rules are testable on their own; ``expert_fleet``
+Pure bookkeeping, no Ray and no network, so the rules are testable on their own; ``experts.py``
 carries the plans out.  A server that was noticed (it will be preempted) no longer counts as a
 replica, so its experts get new homes while it can still hand their state over.
 """

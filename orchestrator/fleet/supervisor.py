@@ -391,7 +391,7 @@ class SupervisorCore:
 
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
-        """What the fleet is doing; the run's figures are ``figures.py``'s, read from the store."""
+        """What the fleet is doing; the run's figures are ``runs/figures.py``'s, read from the store."""
         policy = self.policy
         return {
             "cluster": self.config.cluster_name, "status": policy.status_text, "time": self.clock(),

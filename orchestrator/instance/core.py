@@ -1,6 +1,6 @@
 """One instance's worker without Ray: a training peer (or an expert server) and its controls.
 
-``ray_workers.WorkerActor`` is the Ray face of it, and holds it either in its own process or, on
+``actor.WorkerActor`` is the Ray face of it, and holds it either in its own process or, on
 the local simulator with a warm image (``warm_image.py``), in a process forked from that image and
 reached through a pipe.  So nothing here may use Ray, and what the actor calls takes and returns
 plain, picklable data.

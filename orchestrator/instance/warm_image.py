@@ -1,13 +1,13 @@
 """The local simulator's warm image: one preloaded interpreter that forks its instances' workers.
 
-A worker interpreter spends about 5 CPU-seconds on imports before it trains (torch, the
+A worker interpreter spends seconds of CPU on imports before it trains (torch, the
 ``torch._dynamo`` every ``torch.optim`` optimizer imports on its first call, our modules).  On a
 cloud each instance pays that on its own cores, overlapped with its provisioning; the simulator's
-instances share this machine's cores, so every replacement's imports were taken from the peers
-still training, and a replacement was productive only seconds after its launch.  Forked from this
+instances share this machine's cores, so a replacement's imports would be taken from the peers
+still training, and the replacement would be productive only seconds after its launch.  Forked from this
 process, which paid for them once, a worker starts in milliseconds, and shares the imported pages.
 
-Each instance is still a Ray actor in its own process (``ray_workers.WorkerActor``).  Its actor
+Each instance is still a Ray actor in its own process (``instance/actor.py``'s ``WorkerActor``).  Its actor
 connects here; the image forks a child for it that holds the actor's ``WorkerCore``, writes to the
 actor's own stdout and stderr (passed over the socket), and serves the actor's calls over that
 connection.  The child ends when its actor's process does (a kill of the actor is a kill of the

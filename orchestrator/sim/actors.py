@@ -1,6 +1,6 @@
 """The local spot simulator: each instance is a Ray actor (its own process) running one worker,
-by default in a process forked from the simulator's warm image (``warm_image.py``).
-(``mode: nodes``, each instance its own raylet, lives in ``local_nodes.py``.)
+by default in a process forked from the simulator's warm image (``instance/warm_image.py``).
+(``mode: nodes``, each instance its own raylet, lives in ``nodes.py``.)
 
 Lifetimes come from a preemption model (exponential or Weibull, per node type) or from a
 replayable CSV trace; a preemption is a notice (the worker leaves gracefully) followed, after the
