@@ -5,6 +5,7 @@ fleet → chaos → cli).  Every import counts, those inside functions too, and 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,19 @@ def test_ray_is_imported_in_the_orchestrator_alone():
     found = [f"{path.relative_to(ROOT)}:{line}" for name, path in _sources().items()
              if not name.startswith("orchestrator") for target, line in _imports(path) if target.split(".")[0] == "ray"]
     assert found == []
+
+
+def test_the_walk_sees_imports_in_functions_and_for_types_only(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """The checks above are only as good as this walk: it must find what a glance at the top misses."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    package = tmp_path / "orchestrator" / "ui"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "page.py").write_text("")
+    (tmp_path / "orchestrator" / "cli.py").write_text("")
+    module = package / "dashboard.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cli import main\n"
+                      "def serve():\n    import ray\n    from . import page\n")
+    assert sorted(_imports(module)) == [("orchestrator.cli", 3), ("orchestrator.ui.page", 6), ("ray", 5),
+                                        ("typing", 1)]
