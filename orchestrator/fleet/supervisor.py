@@ -374,20 +374,27 @@ class SupervisorCore:
             self.store.event("final_checkpoint_missed", detail={
                 "epoch": stopped_at, "checkpoint_epoch": have, "epochs_behind": stopped_at - (have or 0),
                 "reason": why[:500], "seconds": round(time.monotonic() - started, 3)})
+            self._record_stop_epoch(stopped_at, records)
             return
         self.checkpoints.keep(epoch, state, path, final=True)
-        if epoch > self.epoch:  # the peers' last step, not in the view yet: the run's epoch is this one
-            losses = [r["loss"] for r in records.values() if r.get("loss") is not None]
-            last = self.store.progress_rows()
-            self.epoch = epoch
-            self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[-1][3] if last else 0.0,
-                                len(records), epoch * self.config.training.target_batch_size)
+        self._record_stop_epoch(epoch, records)
         seconds = time.monotonic() - started
         logger.info("final checkpoint of epoch %d written in %.2f s: %s", epoch, seconds, path)
         self.store.event("final_checkpoint", detail={
             "epoch": epoch, "path": str(path), "written": True, "seconds": round(seconds, 3),
             "peers": {i: {"epoch": r["epoch"], "params": r["params"], "settled": r["settled"]}
                       for i, r in records.items()}})
+
+    def _record_stop_epoch(self, epoch: int, records: dict[str, dict]) -> None:
+        """The peers' last step, which the view may not hold yet: the run's epoch at the stop is this one,
+        whether or not the final checkpoint was written."""
+        if epoch <= self.epoch or not records:
+            return
+        losses = [r["loss"] for r in records.values() if r.get("loss") is not None]
+        last = self.store.progress_rows()
+        self.epoch = epoch
+        self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[-1][3] if last else 0.0,
+                            len(records), epoch * self.config.training.target_batch_size)
 
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
