@@ -43,6 +43,7 @@ from .identity import Identity, PeerID
 from .limits import Limits
 from .stream import Stream, remote_error
 from .throttle import Throttle
+from .traffic import Traffic, buffers_size
 from .wire import Decoder, Encoder
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class ConnectionHost(Protocol):
     membership: Membership | None
     throttle: Throttle | None  # the node's rate limit (None: unlimited)
     pool: PoolHooks
+    traffic: Traffic  # what the node's calls cost, by method
 
     @property
     def listen_address_str(self) -> str | None: ...
@@ -248,7 +250,16 @@ class Connection(FlowControl):
             raise self.closed_error()
         self.last_activity = self.loop.time()
         self._write(bufs)
+        self.host.traffic.sent(self._method_of(header), buffers_size(bufs))
         return bufs
+
+    def _method_of(self, header: dict) -> str:
+        """The method of the call a message belongs to ("" for none: handshake, connection-wide)."""
+        method = header.get(METHOD) if header.get(KIND) == OPEN else None
+        if isinstance(method, str):
+            return method
+        stream = self.streams.get(header.get(STREAM))  # type: ignore[arg-type]
+        return stream.method if stream is not None else ""
 
     async def send(self, header: dict) -> None:
         """Like send_nowait, then wait out the node's rate limit if it has one, and until the socket
@@ -282,6 +293,7 @@ class Connection(FlowControl):
         sid = h.get(STREAM)
         if type(sid) is not int or type(kind) is not int:
             raise ProtocolError(f"header lacks an integer stream id {STREAM!r} or kind {KIND!r}")
+        self.host.traffic.received(self._method_of(h), size)
         if not self.is_ready:
             self._carry_out(self.handshake.receive(h))
             return

@@ -31,6 +31,7 @@ from .pool import ConnectionPool, PeerLike
 from .stream import Call, Stream
 from .tcp_info import TcpInfo, read_tcp_info
 from .throttle import Throttle, check_rate
+from .traffic import Traffic
 from .wire import EncodeError, Encoder
 
 EAGER_TASKS = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
@@ -113,6 +114,7 @@ class P2P:
         self._handler_tasks: set[asyncio.Task] = set()
         self._closed = False
         self.throttle: Throttle | None = None  # set_rate_limit; None (unlimited) costs one check per send and read
+        self.traffic = Traffic()  # what our calls and our handlers' answers cost, by method
         self.pool = ConnectionPool(self, max_connections, idle_timeout)
         self._connections = self.pool.connections  # the pool's live set, which this peer walks
         self._cached_connection = self.pool.cached  # the hot path's lookup: no awaiting
