@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dht import DHTNode
+from dht import DHTNode, ReplicaSets
+from dht.replicas import REUSED_FOR
 from p2p import P2PError, PeerID
 from p2p.node import CallContext
 
@@ -26,11 +27,10 @@ from .partition import MIN_CHUNK, auto_chunk_size, describe_mismatch
 
 logger = logging.getLogger(__name__)
 
-# How long a key's replica set, once looked up, is used again for declaring and withdrawing; a peer
-# that joins nearer the key is thus among the replicas within this, and one that fails a call is
-# dropped at once (the set is looked up again).  Readers do a full lookup, so they find the
-# declarations as long as one of the replicas used is still among the key's nearest.
-REPLICAS_REUSED_FOR = 10.0
+# How long a key's replica set, once looked up, is used again for declaring and withdrawing (see
+# dht/replicas.py).  Readers do a full lookup, so they find the declarations as long as one of the
+# replicas used is still among the key's nearest.
+REPLICAS_REUSED_FOR = REUSED_FOR
 
 
 class ShapeMismatch(ValueError):
@@ -92,7 +92,7 @@ class Matchmaker:
         self.chunk_size = chunk_size  # what groups we lead use; None: chosen from the members' bandwidths
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
-        self._replicas: dict[str, tuple[float, list]] = {}  # key -> (reused until, loop time; replica set)
+        self._replicas = ReplicaSets(node, REPLICAS_REUSED_FOR)
         self._background: set[asyncio.Task] = set()
         self.p2p.register(self.method, self._rpc_join)
 
@@ -141,7 +141,7 @@ class Matchmaker:
         key = self._dht_key(group_key)
         declaration = {"a": self.p2p.listen_address_str and str(self.p2p.address), "t": declared_at,
                        "bw": self.bandwidth, "h": self.schema_hash}
-        replicas = await self._replica_set(key)  # where the withdrawal goes too, without a second lookup
+        replicas = await self._replicas.of(key)  # where the withdrawal goes too, without a second lookup
         await self.node.store(key, declaration, expiration, subkey=str(self.me), at=replicas)
         myself = Candidate(declared_at, self.me, declaration["a"], self.bandwidth, self.schema_hash)
         unreachable: set[PeerID] = set()
@@ -161,18 +161,6 @@ class Matchmaker:
         finally:
             # in the background: the group must not wait for a DHT round trip to start averaging
             self._spawn(self._withdraw(key, expiration, replicas))
-
-    async def _replica_set(self, key: str) -> list:
-        """The replicas of ``key``: looked up at most every REPLICAS_REUSED_FOR seconds while none of
-        them fails a call (each step declares under the same few keys)."""
-        now = asyncio.get_running_loop().time()
-        reused = self._replicas.get(key)
-        if reused is not None and now < reused[0] and self.node.still_reachable(reused[1]):
-            return reused[1]
-        replicas = await self.node.nearest_replicas(key)
-        self._replicas = {k: v for k, v in self._replicas.items() if v[0] > now}  # Moshpit's keys change
-        self._replicas[key] = (now + REPLICAS_REUSED_FOR, replicas)
-        return replicas
 
     async def _candidates(self, key: str, myself: Candidate) -> list[Candidate]:
         found = await self.node.get(key, latest=True)

@@ -9,6 +9,7 @@ from .clock import LocalClock, SwarmClock, local_time
 from .dht import DHT
 from .node import DHTNode
 from .records import RecordTooLarge, ValueWithExpiration
+from .replicas import ReplicaSets
 from .routing import Contact, RoutingTable
 from .validation import (
     CompositeValidator,
@@ -24,6 +25,6 @@ from .validation import (
 
 __all__ = [
     "DHT", "Contact", "CompositeValidator", "DHTNode", "DHTRecord", "KeyRule", "LocalClock", "RecordTooLarge",
-    "RecordValidator", "RoutingTable", "SchemaValidator", "SignatureValidator", "SwarmClock", "ValidationError",
-    "ValueWithExpiration", "default_validators", "local_time", "owners_in",
+    "RecordValidator", "ReplicaSets", "RoutingTable", "SchemaValidator", "SignatureValidator", "SwarmClock",
+    "ValidationError", "ValueWithExpiration", "default_validators", "local_time", "owners_in",
 ]

@@ -235,9 +235,32 @@ class DHTNode:
         await asyncio.gather(*(send(c, idxs) for c, idxs in outgoing.values()))
         return accepted
 
-    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration | None:
-        """The value under ``key``, or None.  ``latest`` asks every nearest replica, not the first."""
+    async def get(self, key: Any, latest: bool = False, *,
+                  at: Sequence[Contact | None] | None = None) -> ValueWithExpiration | None:
+        """The value under ``key``, or None.  ``latest`` asks every nearest replica, not the first.
+
+        ``at``: the replicas ``nearest_replicas(key)`` found: ask each of them once, with no lookup and
+        no contacts in the answers (a reader that polls one key, as a progress view does).
+        """
+        if at is not None:
+            return await self._get_at(key, at)
         return (await self.get_many([key], latest))[key]
+
+    async def _get_at(self, key: Any, replicas: Sequence[Contact | None]) -> ValueWithExpiration | None:
+        raw = serialize_key(key)
+        check_size("key", raw, self.max_key_bytes)
+        kid = key_id(raw)
+        local = self.storage.get(kid) if None in replicas and not self.client_mode else None
+        search = Search(kid, raw, self.num_replicas, stop_on_value=False)
+        contacts = [c for c in replicas if c is not None]
+        answers = await asyncio.gather(*(self._call_find(c, [kid], True, contacts=0) for c in contacts))
+        for contact, answer in zip(contacts, answers, strict=True):
+            if answer is not None:
+                self._absorb(search, contact, answer[0][0], [])
+        best = local
+        for _, entry in search.found:
+            best = merge_entries(best, entry)
+        return self.records.decode(best)
 
     async def get_many(self, keys: Sequence[Any], latest: bool = False) -> dict[Any, ValueWithExpiration | None]:
         serialized = {k: serialize_key(k) for k in keys}
@@ -328,10 +351,11 @@ class DHTNode:
                 self.spawn(self._call_store(target, records))
 
     # ---- outgoing RPCs -------------------------------------------------------------------------
-    async def _call_find(self, contact: Contact, targets: list[int],
-                         want_values: bool) -> list[FindAnswer] | None:
-        """Ask ``contact`` about ``targets``; None (and the contact forgotten) if it fails or lies."""
-        request = protocol.find_request(self._announce, targets, want_values)
+    async def _call_find(self, contact: Contact, targets: list[int], want_values: bool,
+                         contacts: int | None = None) -> list[FindAnswer] | None:
+        """Ask ``contact`` about ``targets`` (and at most ``contacts`` contacts near each, None: a
+        bucket's worth); None (and the contact forgotten) if it fails or lies."""
+        request = protocol.find_request(self._announce, targets, want_values, contacts)
         try:
             response = await self.p2p.call(contact.address, FIND, request, timeout=self.rpc_timeout)
             answers = protocol.find_answers(response, len(targets), self.bucket_size)

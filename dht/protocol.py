@@ -29,6 +29,7 @@ ADDRESS = "a"  # every request, and ping's answer: the sender's listen address "
 TIME = "t"  # ping's answer: the responder's local wall clock, uncorrected
 KEYS = "k"  # find: the key ids asked about
 WANT_VALUES = "v"  # find: whether to return the records held as well as contacts
+CONTACTS = "c"  # find: at most this many contacts per key (absent: the bucket size), 0 for a read at known replicas
 RECORDS = "r"  # store: the records offered, each [key, subkey, value, expiration]
 
 FindAnswer = tuple[Entry | None, list]  # a peer's record for one key (if asked and held) and its contacts (wire form)
@@ -39,8 +40,11 @@ def ping_request(announce: str | None) -> dict:
     return {ADDRESS: announce}
 
 
-def find_request(announce: str | None, targets: list[int], want_values: bool) -> dict:
-    return {ADDRESS: announce, KEYS: [id_to_bytes(t) for t in targets], WANT_VALUES: want_values}
+def find_request(announce: str | None, targets: list[int], want_values: bool, contacts: int | None = None) -> dict:
+    request = {ADDRESS: announce, KEYS: [id_to_bytes(t) for t in targets], WANT_VALUES: want_values}
+    if contacts is not None:
+        request[CONTACTS] = contacts
+    return request
 
 
 def find_answers(response: Any, n_targets: int, max_contacts: int) -> list[FindAnswer]:
@@ -128,6 +132,8 @@ class DHTHandlers:
         targets = [id_from_bytes(raw) for raw in ids]
         self.learn_sender(ctx, request.get(ADDRESS))
         requester = node_id_of(ctx.peer_id)
+        wanted = request.get(CONTACTS, self.bucket_size)
+        contacts = min(wanted, self.bucket_size) if type(wanted) is int and wanted >= 0 else self.bucket_size
         budget = RESPONSE_VALUE_BUDGET
         out = []
         for target in targets:
@@ -138,11 +144,13 @@ class DHTHandlers:
                 if size <= budget:
                     budget -= size
                     wire = entry.to_wire()
-            out.append([wire, self._contacts_near(target, requester)])
+            out.append([wire, self._contacts_near(target, requester, contacts)])
         return out
 
-    def _contacts_near(self, target: int, requester: int) -> list:
-        return [c.to_wire() for c in self.routing.nearest(target, self.bucket_size, exclude=requester)]
+    def _contacts_near(self, target: int, requester: int, count: int) -> list:
+        if count == 0:
+            return []
+        return [c.to_wire() for c in self.routing.nearest(target, count, exclude=requester)]
 
     async def store(self, request: Any, ctx: CallContext) -> list:
         if not isinstance(request, dict) or not isinstance(request.get(RECORDS), list):

@@ -19,6 +19,10 @@ from .routing import serialize_key
 from .storage import Entry, Storage
 from .validation import CompositeValidator, DHTRecord, ValidationError, decode_subkey, show_raw
 
+# Records whose check passed, with the plain value it gave: a polled key comes back from every
+# replica, read after read, and signatures and schemas are the same for the same bytes.
+CHECKED_CACHE = 4096
+
 
 class RecordTooLarge(ValueError):
     """A key, subkey or value is over the node's size limits."""
@@ -51,6 +55,7 @@ class RecordCodec:
         self.max_value_bytes = max_value_bytes
         self.max_expiration = max_expiration
         self.on_dropped = on_dropped
+        self._checked: dict[DHTRecord, bytes] = {}  # oldest first
 
     def make(self, key: Any, value: Any, expiration_time: float, subkey: Any) -> DHTRecord:
         """The signed record a user's write stands for; ValueError, TypeError or RecordTooLarge if a
@@ -77,7 +82,12 @@ class RecordCodec:
 
     def user_value(self, record: DHTRecord) -> Any:
         """The value a received record carries; ValidationError if a validator refuses it or it does not decode."""
-        plain = self.validator.check(record).value
+        plain = self._checked.get(record)
+        if plain is None:
+            plain = self.validator.check(record).value  # raises for a refused record: never cached
+            if len(self._checked) >= CHECKED_CACHE:
+                del self._checked[next(iter(self._checked))]
+            self._checked[record] = plain
         try:
             return msgpack.unpackb(plain, raw=False, strict_map_key=False)
         except Exception:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)

@@ -65,6 +65,28 @@ async def test_a_store_at_the_replicas_found_before_looks_nothing_up_and_lands_w
     assert got is not None and got.value["me"].value is None
 
 
+async def test_a_read_at_known_replicas_asks_each_once_without_contacts_and_sees_what_a_lookup_sees(make_swarm):
+    nodes = await make_swarm(16)
+    writer, reader = nodes[2], nodes[9]
+    exp = time.time() + HOUR
+    for i, n in enumerate(nodes[:6]):
+        assert await n.store("polled", {"i": i}, exp, subkey=f"peer{i}")
+    replicas = await reader.nearest_replicas("polled")
+    reader.p2p.traffic.reset()
+    got = await reader.get("polled", at=replicas)
+    find = reader.p2p.traffic.by_method["dht.find"]  # counts the calls it made and any it served
+    asked = sum(c is not None for c in replicas)
+    assert (find.messages_out, find.messages_in) == (asked, asked)  # one call per replica, no lookup
+    answers = find.bytes_in
+    looked_up = await writer.get("polled", latest=True)
+    assert got is not None and looked_up is not None
+    assert {k: v.value for k, v in got.value.items()} == {k: v.value for k, v in looked_up.value.items()}
+    assert len(got.value) == 6
+    reader.p2p.traffic.reset()
+    await reader.get("polled", latest=True)
+    assert reader.p2p.traffic.by_method["dht.find"].bytes_in > answers  # a lookup's answers carry contacts
+
+
 async def test_later_expiration_wins_across_the_swarm(make_swarm):
     nodes = await make_swarm(24)
     now = time.time()
