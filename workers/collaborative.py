@@ -31,6 +31,7 @@ from dht import DHT, DHTNode, SignatureValidator
 from p2p import P2PError, PeerID
 
 from .progress import GlobalProgress, PeerProgress, ProgressTracker
+from .progress_tree import ProgressLayout
 from .state import StateSharer, StateUnavailable, params_digest
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class CollaborativeOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, target_batch_size: int, *,
                  scheduler: Any = None, compression: str | Codec = Codec.NONE, min_matchmaking_time: float = 2.0,
                  averaging_timeout: float = 30.0, report_interval: float = 0.1, load_state_on_start: bool = True,
-                 max_group_size: int = 256, bandwidth: float | None = None) -> None:
+                 max_group_size: int = 256, bandwidth: float | None = None, swarm_size: int = 16) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dht = dht
@@ -110,7 +111,8 @@ class CollaborativeOptimizer:
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
                                              allreduce_timeout=averaging_timeout, compression=compression,
                                              bandwidth=bandwidth)
-            tracker = ProgressTracker(node, run, target_batch_size, signer)
+            tracker = ProgressTracker(node, run, target_batch_size, signer,
+                                      layout=ProgressLayout(run, capacity=swarm_size))
             await tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock)
             return averager, tracker, sharer

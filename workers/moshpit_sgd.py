@@ -13,6 +13,7 @@ from averaging import Codec, MoshpitAverager, StepResult
 from dht import DHT, DHTNode
 
 from .progress import PeerProgress, ProgressTracker
+from .progress_tree import ProgressLayout
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ class MoshpitSGD:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, *, grid: Sequence[int],
                  averaging_period: int = 10, min_matchmaking_time: float = 0.5, request_timeout: float = 1.0,
                  averaging_timeout: float = 30.0, compression: str | Codec = Codec.NONE,
-                 max_group_size: int | None = None, bandwidth: float | None = None) -> None:
+                 max_group_size: int | None = None, bandwidth: float | None = None, swarm_size: int = 16) -> None:
         self.optimizer = optimizer
         self.dht = dht
         self.averaging_period = averaging_period
@@ -45,7 +46,7 @@ class MoshpitSGD:
                                        allreduce_timeout=averaging_timeout, compression=compression,
                                        bandwidth=bandwidth)
             # progress is published as in collaborative runs, for start-up and for the orchestrator
-            return averager, ProgressTracker(node, run, 1, signer)
+            return averager, ProgressTracker(node, run, 1, signer, layout=ProgressLayout(run, capacity=swarm_size))
 
         self.averager, self.tracker = dht.run_coroutine(build)
         self.keep_alive()

@@ -101,12 +101,13 @@ class TrainingPeer:
             self.optimizer = CollaborativeOptimizer(
                 self._local_optimizer, self.dht, config.run, config.target_batch_size, scheduler=self._scheduler,
                 compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
-                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth)
+                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth, swarm_size=config.swarm_size)
         else:
             self.optimizer = MoshpitSGD(self._local_optimizer, self.dht, config.run, grid=config.moshpit_grid,
                                         averaging_period=config.averaging_period,
                                         averaging_timeout=config.averaging_timeout, compression=config.compression,
-                                        max_group_size=config.group_size, bandwidth=config.bandwidth)
+                                        max_group_size=config.group_size, bandwidth=config.bandwidth,
+                                        swarm_size=config.swarm_size)
 
     @property
     def address(self) -> str | None:
@@ -206,7 +207,7 @@ class TrainingPeer:
         deadline = time.monotonic() + cfg.min_peers_timeout
         while not self._stop.is_set() and time.monotonic() < deadline:
             optimizer.keep_alive()  # our report must outlive the wait, however long the others take
-            seen = len(self.dht.run_coroutine(lambda _n: optimizer.tracker.peers()))
+            seen = self.dht.run_coroutine(lambda _n: optimizer.tracker.global_progress()).peers
             if seen >= cfg.min_peers:
                 return
             self._stop.wait(0.1)

@@ -1,9 +1,11 @@
 """Decentralized progress tracking (DeDLOC): how far the collaboration is toward its global batch.
 
 Each peer publishes ``{epoch, samples, samples_per_second, time, client_mode}`` as a signed subkey
-of ``<run>.progress``; everyone reads all of them.  The global epoch is the largest any live peer
-reports; the samples accumulated toward it are summed over the peers at that epoch, extrapolated
-by their throughput since they reported, each peer's share capped at the global batch.
+of its progress key: ``<run>.progress`` in a run of up to ``fanout`` peers, where everyone reads
+everyone's records, else a leaf of the tree of keys ``progress_tree.py`` lays out, where a peer reads
+its leaf's records and one summary of the rest of the swarm.  The global epoch is the largest any
+live peer reports; the samples accumulated toward it are summed over the peers at that epoch,
+extrapolated by their throughput since they reported, each peer's share capped at the global batch.
 
 A training step must not wait on the network: ``start_view`` keeps a view of the swarm fresh in the
 background (our own reports published, everyone's read back every ``refresh_interval``, at once
@@ -16,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pydantic
 
-from dht import DHTNode, SignatureValidator, owners_in
+from dht import DHTNode, ReplicaSets, SignatureValidator, owners_in
 from p2p import PeerID
 
+from .progress_tree import DOWN, UP, ProgressLayout, ProgressSummary, freshest, freshest_by_child, merge, summarize
+
 logger = logging.getLogger(__name__)
+READ_REPLICAS = 3  # of a key's replicas, how many a view reads: each holds every record written
 
 
 class PeerProgress(pydantic.BaseModel):
@@ -37,6 +42,16 @@ class PeerProgress(pydantic.BaseModel):
     loss: float | None = None
 
 
+@dataclass
+class _KeyRead:
+    """One progress key as read: peers' records, withdrawn records, and summaries (by subkey)."""
+
+    records: dict[str, PeerProgress] = field(default_factory=dict)
+    withdrawn: set[str] = field(default_factory=set)
+    ups: dict[str, ProgressSummary] = field(default_factory=dict)
+    downs: dict[str, ProgressSummary] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class GlobalProgress:
     epoch: int
@@ -46,6 +61,7 @@ class GlobalProgress:
     num_peers: int  # peers that reported for the global epoch
     eta: float  # estimated seconds until the target is reached
     live_peers: int = 0  # peers that reported recently, at any epoch: the group mates to wait for
+    peers: int = 0  # every peer whose record has not expired, live or not
 
     @property
     def ready(self) -> bool:
@@ -53,17 +69,30 @@ class GlobalProgress:
 
 
 class ProgressTracker:
+    """One peer's reports and its view of the swarm's progress.  ``layout`` must be the run's (every
+    peer's the same; the default, one key, suits runs of up to 16 peers).  An ``observer`` (the
+    supervisor) publishes nothing and reads every leaf, to see each peer's own record."""
+
     def __init__(self, node: DHTNode, run: str, target_batch_size: int, signer: SignatureValidator,
-                 expiration: float = 30.0, fresh_for: float = 5.0, refresh_interval: float = 0.1) -> None:
+                 expiration: float = 30.0, fresh_for: float = 5.0, refresh_interval: float = 0.1,
+                 layout: ProgressLayout | None = None, observer: bool = False) -> None:
         self.node = node
-        self.key = f"{run}.progress"
+        self.layout = layout or ProgressLayout(run)
+        if self.layout.run != run:
+            raise ValueError(f"progress layout of run {self.layout.run!r} given for run {run!r}")
+        self.path = self.layout.leaf_of(node.peer_id)
+        self.key = self.layout.key(self.path)  # where our record lives
         self.target = target_batch_size
         self.subkey = f"{signer.marker}{node.peer_id}"
         self.expiration = expiration
         self.fresh_for = fresh_for  # a record older than this may be a dead peer's: not worth waiting for
+        self.observer = observer
         self.last_report: PeerProgress | None = None
         self.refresh_interval = refresh_interval
-        self._seen: dict[str, PeerProgress] = {}  # the background view's last read of everyone's records
+        self.refreshes = 0  # reads of the swarm done so far: the unit a view's cost is counted in
+        self._seen: dict[str, PeerProgress] = {}  # the background view's last read of our leaf's records
+        self._rest: ProgressSummary | None = None  # everyone outside our leaf, as its aggregators last summed it
+        self._replicas = ReplicaSets(node)
         self._unpublished: PeerProgress | None = None
         self._handing = threading.Lock()  # publish (any thread) and the view (the loop) trade _unpublished
         self._wake: asyncio.Event | None = None
@@ -76,34 +105,38 @@ class ProgressTracker:
 
     async def report(self, progress: PeerProgress) -> None:
         self.last_report = progress
-        await self.node.store(self.key, progress.model_dump(), self.now() + self.expiration, subkey=self.subkey)
+        await self._write(self.key, self.subkey, progress.model_dump(), self.expiration)
 
     async def withdraw(self) -> None:
-        await self.node.store(self.key, None, self.now() + self.expiration + 1, subkey=self.subkey)
+        await self._write(self.key, self.subkey, None, self.expiration + 1)
+
+    async def _write(self, key: str, subkey: str, value: object, lasts: float) -> None:
+        await self.node.store(key, value, self.now() + lasts, subkey=subkey, at=await self._replicas.of(key))
 
     async def peers(self) -> dict[str, PeerProgress]:
-        return (await self._read())[0]
+        """The records read now: our leaf's (an observer's: every peer's)."""
+        return (await self._read_records())[0]
 
-    async def _read(self) -> tuple[dict[str, PeerProgress], set[str]]:
-        """Every live peer's record, and the subkeys of the peers that withdrew theirs."""
-        found = await self.node.get(self.key, latest=True)
-        out: dict[str, PeerProgress] = {}
-        withdrawn: set[str] = set()
-        if found is None or not isinstance(found.value, dict):
-            return out, withdrawn
-        for subkey, item in found.value.items():
-            if item.value is None:
-                withdrawn.add(str(subkey))
-                continue
-            try:
-                out[str(subkey)] = PeerProgress.model_validate(item.value)
-            except pydantic.ValidationError:
-                continue
-        return out, withdrawn
+    async def _read_records(self) -> tuple[dict[str, PeerProgress], set[str], ProgressSummary | None]:
+        """The records we see, the subkeys of the peers that withdrew theirs, and the rest of the swarm."""
+        if self.observer and self.layout.depth > 1:
+            keys = [self.layout.key(path) for path in self.layout.all_leaves()]
+            found = await self.node.get_many(keys, latest=True)
+            reads = [_parse(found[k]) for k in keys]
+            return ({k: p for r in reads for k, p in r.records.items()},
+                    {k for r in reads for k in r.withdrawn}, None)
+        read = await self._read_key(self.key)
+        return read.records, read.withdrawn, freshest(read.downs.values())
+
+    async def _read_key(self, key: str) -> _KeyRead:
+        """One key from its nearest ``READ_REPLICAS`` replicas (every write goes to them all)."""
+        replicas = await self._replicas.of(key)
+        return _parse(await self.node.get(key, at=replicas[:READ_REPLICAS]))
 
     async def global_progress(self) -> GlobalProgress:
         """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
-        return self._summarize(await self.peers())
+        records, _, rest = await self._read_records()
+        return self._summarize(records, rest)
 
     @staticmethod
     def peer_of(subkey: str) -> PeerID | None:
@@ -119,12 +152,17 @@ class ProgressTracker:
         return peer if len(owners) == 1 and PeerID.from_public_key(owners[0]) == peer else None
 
     def records(self) -> dict[str, PeerProgress]:
-        """Every peer's last record as the background view holds it (no network)."""
+        """Our leaf's records (an observer's: every peer's) as the background view holds them (no network)."""
         return dict(self._seen)
 
     def view(self) -> GlobalProgress:
         """The swarm's progress from the background view, extrapolated to now: no network."""
-        return self._summarize(dict(self._seen))
+        return self._summarize(dict(self._seen), self._rest)
+
+    @property
+    def rest(self) -> ProgressSummary | None:
+        """The summary of everyone outside our leaf that the view holds (None in a one-key run)."""
+        return self._rest
 
     # ---- the background view -------------------------------------------------------------------
     async def start_view(self) -> None:
@@ -143,11 +181,13 @@ class ProgressTracker:
 
     async def _keep_view(self) -> None:
         assert self._wake is not None
+        # an observer of a large run reads every leaf: a second apart is enough for what it records
+        slow = self.observer and self.layout.depth > 1
+        interval = max(self.refresh_interval, 1.0) if slow else self.refresh_interval
         while True:
             eta = self.view().eta  # read again when the view expects the batch complete, not an interval later
             try:
-                await asyncio.wait_for(self._wake.wait(), min(self.refresh_interval, eta) if eta > 0 else
-                                       self.refresh_interval)
+                await asyncio.wait_for(self._wake.wait(), min(interval, eta) if eta > 0 else interval)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -164,23 +204,85 @@ class ProgressTracker:
         """Merge a read into the view.  A peer missing from one read (a replica that did not answer in
         time) keeps its last record until that would have expired in the DHT too, unless it withdrew:
         one short read must not make the others look gone, or a peer would step alone."""
-        found, withdrawn = await self._read()
+        found, withdrawn, rest = await self._read_records()
         cutoff = self.now() - self.expiration
         kept = {k: p for k, p in self._seen.items() if k not in withdrawn and k not in found and p.time >= cutoff}
         self._seen = {**kept, **found}
+        if rest is not None or self._rest is None or self._rest.time < cutoff:
+            self._rest = rest
+        if self.layout.depth > 1 and not self.observer:
+            await self._aggregate()
+        self.refreshes += 1
 
-    def _summarize(self, peers: dict[str, PeerProgress]) -> GlobalProgress:
-        if self.last_report is not None:
+    async def _aggregate(self) -> None:
+        """Our share of carrying sums up and down the tree (see progress_tree.py): at each level where
+        we are among a key's first writers, sum the key into its parent and the rest of the swarm into it."""
+        now, layout = self.now(), self.layout
+        lasts = 2 * self.fresh_for  # a former aggregator's summaries leave soon: readers need only the freshest
+        mine = self._mine()
+        summary = summarize(mine.values(), now, self.fresh_for, self.target)
+        members = [k for k, p in mine.items() if now - p.time <= self.fresh_for]
+        path = self.path
+        while path and summary is not None and self.subkey in sorted(members)[: layout.redundancy]:
+            parent_path, child = path[:-1], path[-1]
+            parent_key = layout.key(parent_path)
+            up = summary.model_copy(update={"child": child})
+            _, parent = await asyncio.gather(self._write(parent_key, self.subkey + UP, up.model_dump(), lasts),
+                                             self._read_key(parent_key))
+            ups = freshest_by_child(s for s in parent.ups.values() if s.time >= now - self.expiration)
+            ups[child] = up
+            above = freshest(parent.downs.values()) if parent_path else None
+            rest = merge([above, *(s for c, s in ups.items() if c != child)], now, self.target)
+            if path == self.path:
+                self._rest = rest
+            if rest is not None:
+                await self._write(layout.key(path), self.subkey + DOWN, rest.model_dump(), lasts)
+            summary = merge(ups.values(), now, self.target)
+            members = [k[: -len(UP)] for k, s in parent.ups.items() if now - s.time <= self.fresh_for]
+            members.append(self.subkey)
+            path = parent_path
+
+    def _mine(self) -> dict[str, PeerProgress]:
+        """Our leaf's records with our own latest report, even if the DHT is behind."""
+        records = dict(self._seen)
+        if self.last_report is not None and not self.observer:
+            records[self.subkey] = self.last_report
+        return records
+
+    def _summarize(self, peers: dict[str, PeerProgress], rest: ProgressSummary | None) -> GlobalProgress:
+        if self.last_report is not None and not self.observer:
             peers[self.subkey] = self.last_report  # our own latest, even if the DHT is behind
-        if not peers:
-            return GlobalProgress(0, 0.0, self.target, 0.0, 0, float("inf"))
-        epoch = max(p.epoch for p in peers.values())
-        current = [p for p in peers.values() if p.epoch == epoch]
         now = self.now()
-        samples = sum(min(p.samples + p.samples_per_second * max(now - p.time, 0.0), self.target) for p in current)
-        rate = sum(p.samples_per_second for p in current)
+        total = merge([summarize(peers.values(), now, self.fresh_for, self.target), rest], now, self.target)
+        if total is None:
+            return GlobalProgress(0, 0.0, self.target, 0.0, 0, float("inf"))
+        samples, rate = total.samples, total.samples_per_second
         eta = 0.0 if samples >= self.target else ((self.target - samples) / rate if rate > 0 else float("inf"))
         # a peer behind is about to load state and join (or its record is a few milliseconds stale):
         # groups wait for it, else a fast peer alone would race ahead and a newcomer never catch up
-        live = sum(now - p.time <= self.fresh_for for p in peers.values())
-        return GlobalProgress(epoch, samples, self.target, rate, len(current), eta, max(live, 1))
+        return GlobalProgress(total.epoch, samples, self.target, rate, total.at_epoch, eta, max(total.live, 1),
+                              total.peers)
+
+
+def _parse(found: object) -> _KeyRead:
+    """A progress key's value as read: malformed entries are left out (a replica validates what it
+    stores, but a reader does not trust the replica either)."""
+    out = _KeyRead()
+    value = getattr(found, "value", None)
+    if not isinstance(value, dict):
+        return out
+    for raw, item in value.items():
+        subkey = str(raw)
+        kind = UP if subkey.endswith(UP) else DOWN if subkey.endswith(DOWN) else ""
+        if item.value is None:
+            if not kind:
+                out.withdrawn.add(subkey)
+            continue
+        try:
+            if kind:
+                (out.ups if kind == UP else out.downs)[subkey] = ProgressSummary.model_validate(item.value)
+            else:
+                out.records[subkey] = PeerProgress.model_validate(item.value)
+        except pydantic.ValidationError:
+            continue
+    return out

@@ -20,6 +20,7 @@ from experts.grid import DELIMITER, parse_uid
 from p2p import Identity
 
 from .progress import PeerProgress
+from .progress_tree import ProgressSummary
 
 
 class ProgressRecord(PeerProgress):
@@ -73,17 +74,21 @@ def expert_rules(exclude: Callable[[str], bool] = lambda key: False) -> list[Key
 
 
 def run_rules(run: str) -> list[KeyRule]:
-    """Every key of run ``run``: progress and state adverts (signed subkeys, one per peer), the
+    """Every key of run ``run``: progress (``<run>.progress`` and, in a large run, the tree of keys
+    under it: records and summaries) and state adverts (signed subkeys, one per peer), the
     averagers' matchmaking keys (``<run>_grad.mm.e<epoch>``, ``<run>_params.mm.d<dim>:<coords>``)
     and expert records."""
     owned = dict(dictionary=True, subkey=str, owned_subkeys=True, allow_none=True)
     matchmaking = re.compile(rf"{re.escape(run)}_[A-Za-z0-9_-]+\.mm\..+")
+    progress = re.compile(rf"{re.escape(run)}\.progress(\.[0-9]+)*")
     return [
-        KeyRule.exact(f"{run}.progress", value=ProgressRecord, **owned),
+        KeyRule.regex(progress.pattern, f"progress keys of run {run!r}", value=ProgressRecord | ProgressSummary,
+                      **owned),
         KeyRule.exact(f"{run}.state", value=StateAdvert, **owned),
         KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", dictionary=True, subkey=str,
                       value=MatchmakingDeclaration, allow_none=True),
-        *expert_rules(exclude=lambda key: matchmaking.fullmatch(key) is not None),  # a group key may be a number
+        # a group key may be a number, and a progress key looks like an expert's name
+        *expert_rules(exclude=lambda key: any(r.fullmatch(key) is not None for r in (matchmaking, progress))),
     ]
 
 

@@ -28,6 +28,8 @@ class WorkerConfig(pydantic.BaseModel):
     client_mode: bool = pydantic.Field(False, description="accept no connections (behind NAT)")
     identity_path: str | None = pydantic.Field(None, description="private key file (keeps the peer id)")
     target_batch_size: int = pydantic.Field(256, gt=0, description="global batch per optimizer step (collaborative)")
+    swarm_size: int = pydantic.Field(16, ge=1, description="the most training peers the run expects: sizes its "
+                                     "progress keys (every peer of a run must give the same)")
     # "fp16": the old name of "float16", accepted until the next release
     compression: Literal["none", "float16", "bfloat16", "uniform8", "blockwise8", "fp16"] = pydantic.Field(
         "none", description="gradient codec")

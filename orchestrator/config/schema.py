@@ -387,6 +387,7 @@ class ClusterConfig(_Strict):
                             target_batch_size=t.target_batch_size, compression=t.compression,
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
                             moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
+                            swarm_size=self.max_trainers(),
                             param_digests=t.param_digests, **extra)
 
     def expert_host_config(self, initial_peers: list[str], node_type: str | None = None,

@@ -39,6 +39,7 @@ from orchestrator.runs.logs import SUPERVISOR_LOG, log_dir, log_path, log_to_fil
 from orchestrator.runs.store import RunStore
 from p2p import Identity
 from workers.progress import ProgressTracker
+from workers.progress_tree import ProgressLayout
 from workers.run_keys import run_validators
 from workers.state import StateSharer, StateUnavailable
 
@@ -83,9 +84,9 @@ class SupervisorCore:
         self.certifier = self._certifier()
         self.dht = self._start_dht(identity)
         signer = SignatureValidator(identity)
-        self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(n, config.cluster_name,
-                                                                                 config.training.target_batch_size,
-                                                                                 signer)))
+        layout = ProgressLayout(config.cluster_name, capacity=config.max_trainers())
+        self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(
+            n, config.cluster_name, config.training.target_batch_size, signer, layout=layout, observer=True)))
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
                                                              lambda: self.checkpoints.serve()))
         self.checkpoints = Checkpointer(config, self.store, self.dht, self.state, self.archiver, self.clock)
