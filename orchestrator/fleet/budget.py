@@ -4,13 +4,22 @@ store says was spent, so a restarted supervisor keeps counting where the last on
 from __future__ import annotations
 
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.runs.store import RunStore, summarize_costs
+from orchestrator.runs.store import RunStore
 
 
 class Budget:
     def __init__(self, config: ClusterConfig, store: RunStore) -> None:
         self.config = config
         self.store = store
+        self._spent: tuple[float, int, float] | None = None  # (now, the store's instance writes, dollars)
+
+    def spent(self, now: float) -> float:
+        """Dollars spent by ``now``, summed by the store once per moment and state of its instances: a
+        tick weighs every launch against it, and a fleet of a thousand launches a thousand."""
+        key = (now, self.store.instance_writes)
+        if self._spent is None or self._spent[:2] != key:
+            self._spent = (*key, self.store.dollars_spent(now))
+        return self._spent[2]
 
     def allows(self, rate: float, price: float, now: float) -> bool:
         """Whether one more instance at ``price`` (dollars per hour) fits, the fleet spending ``rate``."""
@@ -18,7 +27,7 @@ class Budget:
         if budget.max_dollars_per_hour is not None and rate + price > budget.max_dollars_per_hour + 1e-9:
             return False
         if budget.max_total_dollars is not None:
-            spent = summarize_costs(self.store, now).dollars
+            spent = self.spent(now)
             horizon_h = max(self.config.checkpoint.every_s, 60.0) / 3600  # room to notice and stop in time
             if spent + (rate + price) * horizon_h > budget.max_total_dollars:
                 return False
@@ -30,5 +39,5 @@ class Budget:
         total = self.config.budget.max_total_dollars
         if total is None:
             return None
-        spent = summarize_costs(self.store, now).dollars
+        spent = self.spent(now)
         return spent if spent + rate * margin_s / 3600 >= total else None

@@ -41,10 +41,9 @@ class Calls:
 
     def finished(self) -> list[Call]:
         """The calls that finished since the last time, no longer running."""
-        done = [c for c in self.running if c.future.done()]
-        for c in done:
-            self.running.remove(c)
-        return done
+        finished = [(c, c.future.done()) for c in self.running]  # each call asked once: it may finish meanwhile
+        self.running[:] = [c for c, done in finished if not done]  # one pass, not a removal per call
+        return [c for c, done in finished if done]
 
     def start_poll(self, fn: Callable[[], Any], interval_s: float) -> None:
         """Start ``fn`` unless a poll runs or the last one started less than ``interval_s`` ago."""

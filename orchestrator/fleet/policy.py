@@ -85,6 +85,10 @@ class FleetPolicy:
         the run's Ray head is a new one, so machines that joined the old head can never run a
         worker for this supervisor; they are released too."""
         listed = self.calls.call(self.provider.list, {RUN_TAG: self.config.cluster_name}, timeout=timeout)
+        with self.store.batch():  # a fleet of a thousand: one commit
+            return self._adopt(listed, lost_at, head_changed)
+
+    def _adopt(self, listed: list[Instance], lost_at: float | None, head_changed: bool) -> list[str]:
         known = {r.id: r for r in self.store.instances()}
         now = self.clock()
         adopted = []
@@ -135,6 +139,11 @@ class FleetPolicy:
 
     # ---- one tick --------------------------------------------------------------------------------
     def tick(self) -> None:
+        """One pass over the fleet; what it records is committed once, at its end (``RunStore.batch``)."""
+        with self.store.batch():
+            self._tick()
+
+    def _tick(self) -> None:
         now = self.clock()
         self._collect_background()
         self._collect_polls(now)
@@ -334,6 +343,7 @@ class FleetPolicy:
         """Keep at least min_workers and scale up to max_workers (plus the warm spares) while the budget
         allows."""
         launching = [c.detail for c in self.calls.of_kind("launch")]
+        rate: float | None = None  # the fleet's $/h, summed once (the first time a launch is weighed)
         for name, node_type in self.config.available_node_types.items():
             if name == self.config.head_node_type:
                 continue  # the head is the machine the supervisor runs on, not one of the fleet's
@@ -346,15 +356,18 @@ class FleetPolicy:
                     self.status_text = f"no capacity for {name} in any zone; trying again shortly"
                     break
                 price = self.provider.price(name, zone, market)
-                if not self.budget.allows(self._rate(), price, now):
+                rate = self._rate() if rate is None else rate
+                if not self.budget.allows(rate, price, now):
                     if have < node_type.min_workers:
                         self.status_text = f"budget: cannot launch {name} (min_workers {node_type.min_workers})"
                     break
                 self.pending.append(PendingLaunch(name, zone, market, now + self.provider.provisioning_delay))
                 self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market})
+                rate += price  # what _rate() would say now, without summing a thousand instances again
                 have += 1
 
     def _rate(self) -> float:
+        """Dollars per hour of the instances live, pending and launching."""
         launching = [c.detail for c in self.calls.of_kind("launch")]
         return (sum(i.price_per_hour for i in self.live.values())
                 + sum(self.provider.price(p.node_type, p.zone, p.market) for p in self.pending)
@@ -373,6 +386,7 @@ class FleetPolicy:
             logger.warning("budget exhausted: $%.4f of $%.2f; releasing every instance", spent, total)
             self.pending.clear()
             if self.before_release is not None and self.live:
+                self.store.commit()  # what the tick recorded so far is not held through the wait
                 left_s = max(total - spent, 0.0) / rate * 3600 if rate > 0 else 0.0  # at the fleet's rate
                 try:  # half of it: the release itself takes time too
                     self.before_release(self.to_real(left_s) / 2)
@@ -408,23 +422,39 @@ class FleetPolicy:
     def _launch_due(self, now: float) -> None:
         if not self.backoff.may_launch(now):
             return
-        for p in [p for p in self.pending if p.ready_at <= now]:
-            self.pending.remove(p)
-            index, self._next_index = self._next_index, self._next_index + 1
-            instance_id = f"{self.config.cluster_name}-{p.node_type}-{index:04d}"
-            node_type = self.config.available_node_types[p.node_type]
-            if self._trainers(p.node_type) >= node_type.max_workers:
-                self.spares.add(instance_id)
-            spec = LaunchSpec(instance_id, p.node_type, p.zone, p.market,
-                              tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
-                                    NODE_TYPE_TAG: p.node_type},
-                              node_config=dict(node_type.node_config), resources=dict(node_type.resources),
-                              sequence=index)
-            if self.hosts_workers:
-                self._hosted_args[instance_id] = self._worker_args_of(instance_id, p.node_type)
-            spec.boot_script = self.boot_script(spec)
-            # once: cloud providers retry transient errors themselves, and a failure backs off
-            self._submit("launch", spec, self.provider.launch, spec, detail=spec)
+        due = [p for p in self.pending if p.ready_at <= now]
+        if not due:
+            return
+        self.pending = [p for p in self.pending if p.ready_at > now]
+        trainers: dict[str, int] = {}  # by node type: counted once, then one more per trainer launched
+        for k, p in enumerate(due):
+            try:
+                self._launch(p, trainers)
+            except BaseException:
+                self.pending += due[k + 1:]  # not asked for yet: the next tick asks
+                raise
+
+    def _launch(self, p: PendingLaunch, trainers: dict[str, int]) -> None:
+        """Ask the provider for one instance (on the pool); a warm spare once its type has its trainers."""
+        index, self._next_index = self._next_index, self._next_index + 1
+        instance_id = f"{self.config.cluster_name}-{p.node_type}-{index:04d}"
+        node_type = self.config.available_node_types[p.node_type]
+        if p.node_type not in trainers:
+            trainers[p.node_type] = self._trainers(p.node_type)
+        if trainers[p.node_type] >= node_type.max_workers:
+            self.spares.add(instance_id)
+        else:
+            trainers[p.node_type] += 1
+        spec = LaunchSpec(instance_id, p.node_type, p.zone, p.market,
+                          tags={RUN_TAG: self.config.cluster_name, INSTANCE_TAG: instance_id,
+                                NODE_TYPE_TAG: p.node_type},
+                          node_config=dict(node_type.node_config), resources=dict(node_type.resources),
+                          sequence=index)
+        if self.hosts_workers:
+            self._hosted_args[instance_id] = self._worker_args_of(instance_id, p.node_type)
+        spec.boot_script = self.boot_script(spec)
+        # once: cloud providers retry transient errors themselves, and a failure backs off
+        self._submit("launch", spec, self.provider.launch, spec, detail=spec)
 
     def _trainers(self, node_type: str) -> int:
         """Instances of the type that train or will: live or launching, neither noticed nor spares."""
@@ -482,9 +512,10 @@ class FleetPolicy:
             except Exception as e:
                 logger.warning("a launch in flight failed while stopping: %s", e)
             self.calls.running.remove(b)
-        for inst in list(self.live.values()):
-            self._ended(inst.id, "released")
-            self._submit("release", inst, self._release, inst)
+        with self.store.batch():
+            for inst in list(self.live.values()):
+                self._ended(inst.id, "released")
+                self._submit("release", inst, self._release, inst)
         for b in list(self.calls.running):
             try:
                 b.future.result(timeout=timeout)

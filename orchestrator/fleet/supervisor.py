@@ -280,14 +280,17 @@ class SupervisorCore:
 
     # ---- one tick ------------------------------------------------------------------------------
     def tick(self) -> None:
-        now = self.clock()
-        self.policy.tick()
-        if self.experts is not None:
-            self.experts.tick()
-        self._renew_certificates()
-        self._record_progress()
-        self.checkpoints.maybe(now, start=not self._stop.is_set())
-        self.checkpoints.refresh_advert()
+        """The policy's tick, then experts, certificates, progress and checkpoints; what they all
+        record is committed once, at the end (``RunStore.batch``)."""
+        with self.store.batch():
+            now = self.clock()
+            self.policy.tick()
+            if self.experts is not None:
+                self.experts.tick()
+            self._renew_certificates()
+            self._record_progress()
+            self.checkpoints.maybe(now, start=not self._stop.is_set())
+            self.checkpoints.refresh_advert()
 
     def _renew_certificates(self) -> None:
         """Members' certificates with half their lifetime left get fresh ones (never waits on a worker)."""
@@ -323,8 +326,9 @@ class SupervisorCore:
         """An instance's first averaged step: its peer's epoch moves past the one it started at
         (how long a replacement takes to contribute, from the kill it replaced)."""
         by_peer = {i.tags["peer_id"]: i.id for i in list(self.policy.live.values()) if i.tags.get("peer_id")}
+        lengths = sorted({len(p) for p in by_peer})  # peer ids have one length: a lookup per record, not a scan
         for subkey, record in peers.items():  # a subkey is the owner's signature marker + its peer id
-            instance_id = next((i for p, i in by_peer.items() if subkey.endswith(p)), None)
+            instance_id = next((by_peer[subkey[-n:]] for n in lengths if subkey[-n:] in by_peer), None)
             if instance_id is None or self._first_seen.get(instance_id) == -1:
                 continue
             first = self._first_seen.setdefault(instance_id, record.epoch)
@@ -392,9 +396,9 @@ class SupervisorCore:
         if epoch <= self.epoch or not records:
             return
         losses = [r["loss"] for r in records.values() if r.get("loss") is not None]
-        last = self.store.progress_rows()
+        last = self.store.last_row("progress")
         self.epoch = epoch
-        self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[-1][3] if last else 0.0,
+        self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[3] if last else 0.0,
                             len(records), epoch * self.config.training.target_batch_size)
 
     # ---- reporting -----------------------------------------------------------------------------

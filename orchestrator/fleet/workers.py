@@ -162,7 +162,8 @@ class RayWorkers:
         if self.watch is None:
             return []
         now = time.monotonic()
-        self._next_check = {i: t for i, t in self._next_check.items() if i in instance_ids}  # only the waiting
+        waiting = set(instance_ids)  # a thousand instances: looked up, not scanned
+        self._next_check = {i: t for i, t in self._next_check.items() if i in waiting}  # only the waiting
         due = [i for i in instance_ids if self._next_check.get(i, 0.0) <= now]
         for instance_id in due:
             self._next_check[instance_id] = now + self.check_every_s
@@ -179,7 +180,8 @@ class RayWorkers:
         machine trains nothing and would cost money for ever.  Each is asked at most every
         ``check_every_s``; a worker that does not answer (paused, busy) is not dead.  Never waits."""
         now = time.monotonic()
-        self._next_alive_check = {i: t for i, t in self._next_alive_check.items() if i in instance_ids}
+        asked = set(instance_ids)  # a thousand instances: looked up, not scanned
+        self._next_alive_check = {i: t for i, t in self._next_alive_check.items() if i in asked}
         for instance_id in instance_ids:
             if instance_id in self._alive_checks or self._next_alive_check.get(instance_id, 0.0) > now:
                 continue

@@ -49,8 +49,9 @@ def run_now(store: RunStore, live: bool) -> float:
 
 
 def run_start(store: RunStore) -> float:
-    row = store.db.execute("SELECT MIN(time) FROM events").fetchone()
-    first = [t for t in (row[0] if row else None, *(i.launched_at for i in store.instances()[:1])) if t is not None]
+    """The run's first record: its first event or its first launch, whichever came first."""
+    row = store.db.execute("SELECT (SELECT MIN(time) FROM events), (SELECT MIN(launched_at) FROM instances)").fetchone()
+    first = [t for t in row if t is not None]
     return min(first) if first else 0.0
 
 
@@ -195,14 +196,15 @@ def checkpoint_state(store: RunStore) -> tuple[int | None, int | None]:
 
 def headline(store: RunStore, now: float, live: bool) -> Headline:
     instances = store.instances()
-    costs = summarize_costs(store, now)
-    rows = store.progress_rows()
+    costs = summarize_costs(store, now, instances)
+    last = store.last_row("progress")  # the newest row, and for a stopped run the minute before it: never all
+    tail = store.progress_rows(since=last[0] - STOPPED_WINDOW_S) if last is not None and not live else []
     alive = [i for i in instances if i.ended_at is None] if live else []  # a stopped run has none up
     checkpoint_epoch, behind = checkpoint_state(store)
     return Headline(
         cluster=store.config().cluster_name, live=live, now=now, elapsed_s=now - run_start(store),
-        epoch=store.latest_epoch(), loss=rows[-1][2] if rows else None,
-        samples_per_second=(rows[-1][3] if rows else None) if live else samples_per_second_before_stop(rows),
+        epoch=store.latest_epoch(), loss=last[2] if last else None,
+        samples_per_second=(last[3] if last else None) if live else samples_per_second_before_stop(tail),
         samples_per_second_over="now" if live else "last minute before the stop",
         checkpoint_epoch=checkpoint_epoch, checkpoint_epochs_behind=None if live else behind,
         samples=costs.samples,
@@ -217,10 +219,10 @@ def headline(store: RunStore, now: float, live: bool) -> Headline:
 
 
 def _experts_headline(store: RunStore) -> dict:
-    rows = store.expert_rows()
-    if not rows:
+    last = store.last_row("experts")
+    if last is None:
         return {}
-    _, live, grid, min_replicas, _, _, _, _, kmin = rows[-1]
+    _, live, grid, min_replicas, _, _, _, _, kmin = last
     return {"experts_live": live, "experts_grid": grid, "experts_min_replicas": min_replicas, "kmin_fraction": kmin}
 
 
@@ -351,11 +353,16 @@ def _live_by_group(instances: list[InstanceRecord], start: float, now: float) ->
     return [_steps(name, changes[name], start, now) for name in sorted(changes)]
 
 
+#: rows of a sampled series (progress, experts) a chart draws at most: a longer series is thinned to
+#: rows evenly spaced in time (``RunStore.progress_rows``), since a chart is a few hundred pixels wide
+CHART_POINTS = 2000
+
+
 def charts(store: RunStore, now: float) -> list[Chart]:
     """Every chart of the dashboard and the report, as plain series (no plotting library here)."""
     start = run_start(store)
     instances = store.instances()
-    progress = [r for r in store.progress_rows() if r[0] <= now]
+    progress = store.progress_rows(until=now, points=CHART_POINTS)
     # cost is piecewise linear between launches and ends: evaluating at those moments is exact
     moments = sorted({start, now, *(t for i in instances for t in (i.launched_at, i.ended_at)
                                     if t is not None and start <= t <= now)})
@@ -390,7 +397,7 @@ def charts(store: RunStore, now: float) -> list[Chart]:
 def _expert_charts(store: RunStore, start: float, now: float) -> list[Chart]:
     """A mixture-of-experts run's experts: how many of the grid are live and on how many servers,
     the servers' load, and how many of the trainers' forward passes met k_min."""
-    rows = [r for r in store.expert_rows() if r[0] <= now]
+    rows = store.expert_rows(until=now, points=CHART_POINTS)
     if not rows:
         return []
     t = [r[0] - start for r in rows]

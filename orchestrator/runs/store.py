@@ -4,11 +4,13 @@ run, or resume it after losing every machine, is here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,20 @@ CREATE TABLE IF NOT EXISTS experts (
     kmin_fraction REAL
 );
 CREATE INDEX IF NOT EXISTS events_time ON events(time);
+CREATE INDEX IF NOT EXISTS events_kind ON events(kind, time);
 CREATE INDEX IF NOT EXISTS progress_epoch ON progress(epoch);
+CREATE INDEX IF NOT EXISTS progress_time ON progress(time);
+CREATE INDEX IF NOT EXISTS progress_samples ON progress(samples);
+CREATE INDEX IF NOT EXISTS experts_time ON experts(time);
 """
+# the sampled series: a reader asks for the newest row, a window, or a chart's worth, never scans them all
+SERIES = ("progress", "experts")
+
+
+def _check_series(table: str) -> None:
+    """Table names go into SQL text: only the sampled series' own."""
+    if table not in SERIES:
+        raise ValueError(f"not a sampled series: {table!r} (one of {', '.join(SERIES)})")
 
 
 @dataclass
@@ -84,7 +98,11 @@ class RunStore:
         self.db.commit()
         # writes the disk had no room for yet, in order: (sql, args, a sample row that may be thinned)
         self._pending: list[tuple[str, tuple, bool]] = []
+        self._batching = 0  # open batches (nested): writes then go into one transaction, committed at the end
+        self._batch_written: list[tuple[str, tuple, bool]] = []  # executed in that transaction, not committed yet
+        self._held = False  # the last try found no room: writes wait in ``_pending`` until ``_retry_at``
         self._retry_at = 0.0  # monotonic: when held writes are next tried
+        self.instance_writes = 0  # writes to the instances table through this store: what a cache of costs keys on
         self._thinned = 0  # sample rows dropped while the disk had no room (said once per outage)
         self._thin_slack = 0  # held rows past max_pending before the next thinning
         self._write_lock = threading.Lock()
@@ -110,9 +128,11 @@ class RunStore:
         return ClusterConfig.model_validate(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
 
     def close(self) -> None:
-        if self._pending and not self._flush():
-            logger.warning("run store %s: %d writes still had no room on disk when it closed; they are lost",
-                           self.dir, len(self._pending))
+        with self._write_lock:
+            self._batching = 0  # a batch still open (another thread's) is committed now
+            if (self._pending or self._batch_written) and not self._flush():
+                logger.warning("run store %s: %d writes still had no room on disk when it closed; they are lost",
+                               self.dir, len(self._pending))
         self.db.close()
 
     # ---- writing -------------------------------------------------------------------------------
@@ -126,41 +146,87 @@ class RunStore:
     #: held writes past which sample rows are thinned (about 200 bytes each)
     max_pending: int = 100_000
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Writes inside go into one transaction, committed when the outermost batch ends: a tick that
+        records news of a thousand workers pays one commit (one sync of the WAL), not a thousand.
+        Reads through this store see them at once; other connections (the dashboard, ``status``)
+        when the batch ends.  A full disk holds them back as it holds any write."""
+        with self._write_lock:
+            self._batching += 1
+        try:
+            yield
+        finally:
+            with self._write_lock:
+                if self._batching > 0:  # 0: the store was closed meanwhile, and committed then
+                    self._batching -= 1
+                    if self._batching == 0:
+                        self._end_batch()
+
+    def commit(self) -> None:
+        """Commit what the open batch wrote so far: before a wait inside it (a final checkpoint), so
+        other readers see the run's news and a crash meanwhile loses none of it."""
+        with self._write_lock:
+            if self._batching and self._batch_written:
+                batching, self._batching = self._batching, 0
+                try:
+                    self._flush()
+                finally:
+                    self._batching = batching
+
+    def _end_batch(self) -> None:
+        if self._held and time.monotonic() < self._retry_at:
+            return  # the disk had no room: the batch's writes wait with the others (none is executed)
+        if self._pending or self._batch_written:
+            self._flush()
+
     def _write(self, sql: str, args: tuple, sample: bool = False) -> None:
         """Every write goes through here: a full disk holds writes back, in order, instead of losing
         them or failing the caller (the supervisor's tick must go on); a later write retries them.
         ``sample``: a row of a sampled series (progress, experts), which a long outage may thin."""
         with self._write_lock:
             self._pending.append((sql, args, sample))
-            if len(self._pending) == 1 or time.monotonic() >= self._retry_at:
+            if not self._held or time.monotonic() >= self._retry_at:
                 self._flush()
             elif len(self._pending) > self.max_pending + self._thin_slack:
                 self._thin()
 
     def _flush(self) -> bool:
-        """Write what is held back, in one transaction; False while the disk still has no room."""
+        """Write what is held back, in one transaction (committed now, or when the open batch ends);
+        False while the disk still has no room."""
         done = 0
         try:
-            with self.db:  # commits, or rolls back on error: all held writes land, or none
-                for sql, args, _sample in self._pending:
-                    self.db.execute(sql, args)
-                    done += 1
+            for sql, args, _sample in self._pending:
+                self.db.execute(sql, args)
+                done += 1
+            if not self._batching:
+                self.db.commit()
         except Exception as e:
+            self.db.rollback()  # all of the transaction's writes land, or none: the batch's go back in line
+            done += len(self._batch_written)
+            self._pending[:0], self._batch_written = self._batch_written, []
             if not isinstance(e, sqlite3.OperationalError) or \
                     (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in _NO_ROOM:  # the primary code
                 if done < len(self._pending):  # a bad statement is a caller's error, not the disk's
                     del self._pending[done]  # the rest stay
                 raise
-            if len(self._pending) == 1:  # said once per outage, not once per write
+            if not self._held:  # said once per outage, not once per write
                 logger.warning("run store %s: no room on disk (%s); holding writes in memory until there is",
                                self.dir, e)
+            self._held = True
             self._retry_at = time.monotonic() + self.retry_every_s
             return False
-        if len(self._pending) > 1:
+        if self._batching:
+            self._batch_written += self._pending
+            self._pending = []
+            return True
+        if self._held:
             thinned = f" ({self._thinned} progress and expert samples thinned out)" if self._thinned else ""
             logger.warning("run store %s: disk has room again; wrote the %d writes held meanwhile%s",
-                           self.dir, len(self._pending), thinned)
+                           self.dir, len(self._pending) + len(self._batch_written), thinned)
         self._pending.clear()
+        self._batch_written = []
+        self._held = False
         self._thinned = 0
         self._thin_slack = 0
         return True
@@ -189,6 +255,7 @@ class RunStore:
         self._write("INSERT INTO events VALUES (?, ?, ?, ?)", (at or self.clock(), kind, instance_id, text))
 
     def launched(self, rec: InstanceRecord) -> None:
+        self.instance_writes += 1
         self._write("INSERT INTO instances VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (rec.id, rec.node_type, rec.zone, rec.market, rec.price_per_hour,
                      rec.on_demand_price_per_hour, rec.launched_at, None, None, None, rec.peer_id))
@@ -197,6 +264,7 @@ class RunStore:
 
     def update_instance(self, instance_id: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
+        self.instance_writes += 1
         self._write(f"UPDATE instances SET {sets} WHERE id = ?", (*fields.values(), instance_id))
 
     def progress(self, epoch: int, loss: float | None, samples_per_second: float, peers: int, samples: int) -> None:
@@ -212,8 +280,10 @@ class RunStore:
                     (self.clock(), live, grid, min_replicas, mean_replicas, requests_per_second,
                      rows_per_batch, calls, kmin_fraction), sample=True)
 
-    def expert_rows(self) -> list[tuple]:
-        return self.db.execute("SELECT * FROM experts ORDER BY time").fetchall()
+    def expert_rows(self, since: float | None = None, until: float | None = None,
+                    points: int | None = None) -> list[tuple]:
+        """The experts' samples in time order (see ``progress_rows``)."""
+        return self._series("experts", since, until, points)
 
     def checkpoint(self, epoch: int, path: Path) -> None:
         self._write("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))
@@ -228,8 +298,47 @@ class RunStore:
             return self.db.execute("SELECT * FROM events ORDER BY time").fetchall()
         return self.db.execute("SELECT * FROM events WHERE kind = ? ORDER BY time", (kind,)).fetchall()
 
-    def progress_rows(self) -> list[tuple]:
-        return self.db.execute("SELECT * FROM progress ORDER BY time").fetchall()
+    def dollars_spent(self, now: float) -> float:
+        """``summarize_costs(store, now).dollars`` summed by SQLite, with no row loaded: what the budget
+        asks every tick, as the history of a long run grows."""
+        row = self.db.execute("SELECT TOTAL(MAX(MIN(COALESCE(ended_at, ?1), ?1) - launched_at, 0.0) / 3600"
+                              " * price_per_hour) FROM instances", (now,)).fetchone()
+        return float(row[0])
+
+    def progress_rows(self, since: float | None = None, until: float | None = None,
+                      points: int | None = None) -> list[tuple]:
+        """Progress rows in time order, those from ``since`` to ``until`` (inclusive) when given.  With
+        ``points``, a series longer than that is thinned for a chart: the row at or after each of
+        ``points`` moments evenly spaced from its first row to its last, and the last (a screen shows
+        no more; a run of weeks has a million rows)."""
+        return self._series("progress", since, until, points)
+
+    def last_row(self, table: str) -> tuple | None:
+        """The newest row of a sampled series (``progress``, ``experts``), found through its time index."""
+        _check_series(table)
+        return self.db.execute(f"SELECT * FROM {table} ORDER BY time DESC, rowid DESC LIMIT 1").fetchone()
+
+    def _series(self, table: str, since: float | None, until: float | None, points: int | None) -> list[tuple]:
+        _check_series(table)
+        bounds = [(f"time {op} ?", value) for op, value in ((">=", since), ("<=", until)) if value is not None]
+        where = f"WHERE {' AND '.join(b for b, _ in bounds)}" if bounds else ""
+        args = tuple(v for _, v in bounds)
+        query = f"SELECT * FROM {table} {where} ORDER BY time, rowid"
+        if points is None:
+            return self.db.execute(query, args).fetchall()
+        head = self.db.execute(f"{query} LIMIT ?", (*args, points + 1)).fetchall()
+        if len(head) <= points:
+            return head
+        last = self.db.execute(f"SELECT time, rowid FROM {table} {where} ORDER BY time DESC, rowid DESC LIMIT 1",
+                               args).fetchone()
+        step = (last[0] - head[0][0]) / points
+        # each moment's row through the time index: ``points`` lookups, never a scan of the series
+        return self.db.execute(
+            f"WITH RECURSIVE k(j) AS (SELECT 0 UNION ALL SELECT j + 1 FROM k WHERE j + 1 < ?), "
+            f"picked(id) AS (SELECT (SELECT rowid FROM {table} WHERE time >= ? + j * ? ORDER BY time, rowid LIMIT 1)"
+            f" FROM k) "
+            f"SELECT * FROM {table} WHERE rowid IN (SELECT id FROM picked) OR rowid = ? ORDER BY time, rowid",
+            (points, head[0][0], step, last[1])).fetchall()
 
     def last_time(self) -> float | None:
         """The newest moment the store heard about: an event, a progress row or an instance change."""
@@ -277,11 +386,13 @@ class CostSummary:
         return self.dollars / self.samples * 1e6 if self.samples else None
 
 
-def summarize_costs(store: RunStore, now: float | None = None) -> CostSummary:
+def summarize_costs(store: RunStore, now: float | None = None,
+                    instances: list[InstanceRecord] | None = None) -> CostSummary:
     """Dollars summed over every instance the run ever had, across every recovery; the on-demand
-    counterfactual prices the same instance-seconds at on-demand rates."""
+    counterfactual prices the same instance-seconds at on-demand rates.  ``instances``: the store's,
+    when the caller read them already."""
     now = now or store.clock()
-    instances = store.instances()
+    instances = store.instances() if instances is None else instances
     rows = store.db.execute("SELECT MAX(samples) FROM progress").fetchone()
     return CostSummary(
         dollars=sum(i.cost(now) for i in instances),

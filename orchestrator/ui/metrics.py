@@ -65,12 +65,13 @@ class RunCollector(Collector):
                                         "the same instance-seconds at on-demand prices", labels=labels)
         seconds = CounterMetricFamily("spotswarm_instance_seconds", "instance-seconds used", labels=labels)
         up = {}
+        instances = self.store.instances()
         if live:
-            for i in self.store.instances():
+            for i in instances:
                 if i.ended_at is None:
                     key = (i.node_type, i.zone, i.market)
                     up[key] = up.get(key, 0) + 1
-        for g in cost_breakdown(self.store.instances(), now):
+        for g in cost_breakdown(instances, now):
             values = [h.cluster, g.node_type, g.zone, g.market]
             live_instances.add_metric(values, up.get((g.node_type, g.zone, g.market), 0))
             dollars.add_metric(values, g.dollars)

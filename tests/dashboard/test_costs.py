@@ -131,3 +131,34 @@ def test_the_cost_curve_sweep_agrees_with_the_definition(hand_run):
     for on_demand in (False, True):
         expected = [figures.cost_until(instances, m, on_demand) for m in moments]
         assert figures.cost_curve(instances, moments, on_demand) == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_long_runs_charts_are_thinned_evenly_in_time_and_its_headline_reads_the_newest_row(tmp_path):
+    """A run of weeks has a million progress rows: a chart gets ``CHART_POINTS`` of them, about
+    evenly spaced in time, the first and the last among them; the headline's figures are the
+    newest row's, as with every row loaded."""
+    from orchestrator.config.schema import ClusterConfig
+
+    config = ClusterConfig.model_validate({"cluster_name": "long", "runs_dir": str(tmp_path),
+                                           "available_node_types": {"small": {"max_workers": 1}}})
+    store = RunStore.create(config)
+    rows = 3 * figures.CHART_POINTS + 7
+    try:
+        store.launched(InstanceRecord("i0", "small", "a", "spot", 0.3, 1.0, T0))
+        with store.db:
+            store.db.executemany("INSERT INTO progress VALUES (?, ?, ?, ?, ?, ?)",
+                                 [(T0 + s, s, 1.0 / (1 + s), float(s), 1, 64 * s) for s in range(rows)])
+        now = T0 + rows
+        charts = {c.id: c for c in figures.charts(store, now)}
+        h = figures.headline(store, now, live=True)
+        assert store.progress_rows(points=rows) == store.progress_rows()  # short enough: every row
+    finally:
+        store.close()
+    (throughput,) = charts["throughput"].traces
+    assert figures.CHART_POINTS <= len(throughput.t) <= figures.CHART_POINTS + 1
+    assert throughput.t[0] == 0 and throughput.t[-1] == rows - 1 and throughput.t == sorted(throughput.t)
+    gaps = [b - a for a, b in zip(throughput.t, throughput.t[1:], strict=False)]
+    assert max(gaps) <= 2 * min(gaps) + 1  # evenly spaced: no stretch left out
+    assert throughput.y == throughput.t  # each point is a row as written (samples/s = its second here)
+    assert (h.epoch, h.samples_per_second, h.samples) == (rows - 1, float(rows - 1), 64 * (rows - 1))
+    assert h.loss == pytest.approx(1.0 / rows)

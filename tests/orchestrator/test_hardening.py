@@ -140,6 +140,42 @@ def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tm
 
 
 @pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
+def test_a_batch_that_meets_a_full_disk_is_held_back_whole_and_lands_in_order(tmp_path):
+    """A tick's writes go into one transaction; a commit with no room rolls it back, and every write
+    of the batch waits with the held ones instead of being lost."""
+    from orchestrator.runs.store import InstanceRecord, RunStore
+
+    config = one_machine_config(tmp_path, "batch")
+    run_dir = config.run_dir()
+    with chaos_disk.small_disk(run_dir, 8):
+        store = RunStore.create(config)
+        store.retry_every_s = 0.0
+        store.event("before")
+        with store.batch():
+            store.launched(InstanceRecord("i-1", "small", "a", "spot", 0.1, 1.0, 100.0))
+            assert [r.id for r in store.instances()] == ["i-1"]  # this store reads its own batch at once
+            assert chaos_disk.fill(run_dir) > 0
+            for epoch in range(1, 200):
+                store.progress(epoch, 1.0 / epoch, 10.0, 1, epoch * 64)
+            store.update_instance("i-1", ended_at=200.0, end_reason="preempted")
+        assert store.pending_writes > 0, "the disk was not full"
+        assert store.instances() == []  # rolled back, held in memory
+        chaos_disk.unfill(run_dir)
+        store.event("after")  # the next write lands the held ones first
+        assert store.pending_writes == 0
+        store.close()
+    store = RunStore.open(run_dir)
+    try:
+        kinds = [k for (k,) in store.db.execute("SELECT kind FROM events ORDER BY rowid")]
+        assert kinds == ["before", "launch", "after"]
+        assert [row[1] for row in store.progress_rows()] == list(range(1, 200))
+        (instance,) = store.instances()
+        assert (instance.ended_at, instance.end_reason) == (200.0, "preempted")
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
 def test_a_long_full_disk_outage_costs_bounded_memory_and_time_and_keeps_every_accounting_row(tmp_path):
     """Held writes are tried again once per ``retry_every_s``, not on every write (each try replays
     them all); past ``max_pending`` every other progress sample goes, never an instance or event row."""
