@@ -10,6 +10,7 @@ peers answer, and whom to keep as contacts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import time
@@ -90,6 +91,9 @@ class DHTNode:
         self.suspect_for = suspect_for
         self._suspects: dict[int, tuple[float, Contact]] = {}
         self._closed = False
+        # what this node asked of the network, for cost measurements: RPCs sent by method name
+        # ("dht.find", ...), "get_many" calls and the "keys_traversed" that needed a lookup
+        self.stats: collections.Counter[str] = collections.Counter()
         self.handlers = DHTHandlers(p2p, self.storage, self.routing, bucket_size=bucket_size,
                                     max_key_bytes=max_key_bytes, max_value_bytes=max_value_bytes,
                                     local_time=self.clock.local, learn_sender=self._learn_sender,
@@ -250,6 +254,8 @@ class DHTNode:
             local[kid] = None if self.client_mode else self.storage.get(kid)
             if local[kid] is None or latest:
                 searches[kid] = self._new_search(kid, raw, self.num_replicas, stop_on_value=not latest)
+        self.stats["get_many"] += 1
+        self.stats["keys_traversed"] += len(searches)
         if searches:
             await self._traverse(list(searches.values()), want_values=True)
         out: dict[Any, ValueWithExpiration | None] = {}
@@ -301,7 +307,7 @@ class DHTNode:
         and neither this node nor a suspect becomes a candidate."""
         search.add_responder(contact)
         if entry is not None and search.key is not None:
-            entry = self.records.validated(search.key, entry)
+            entry = self.records.validated(search.key, entry, search.checked)
             if entry is not None:
                 search.found.append((contact, entry))
         search.add_candidates(contacts, self._excluded)
@@ -328,12 +334,17 @@ class DHTNode:
                 self.spawn(self._call_store(target, records))
 
     # ---- outgoing RPCs -------------------------------------------------------------------------
+    async def _send(self, target: PeerAddress | PeerID, method: str, request: Any, timeout: float) -> Any:
+        """One DHT RPC, counted in ``stats`` (what a lookup costs is measured in these)."""
+        self.stats[method] += 1
+        return await self.p2p.call(target, method, request, timeout=timeout)
+
     async def _call_find(self, contact: Contact, targets: list[int],
                          want_values: bool) -> list[FindAnswer] | None:
         """Ask ``contact`` about ``targets``; None (and the contact forgotten) if it fails or lies."""
         request = protocol.find_request(self._announce, targets, want_values)
         try:
-            response = await self.p2p.call(contact.address, FIND, request, timeout=self.rpc_timeout)
+            response = await self._send(contact.address, FIND, request, self.rpc_timeout)
             answers = protocol.find_answers(response, len(targets), self.bucket_size)
         except (P2PError, ValueError, TypeError) as e:
             self._forget(contact, e)
@@ -346,7 +357,7 @@ class DHTNode:
         for chunk in protocol.store_chunks(records):
             request = protocol.store_request(self._announce, chunk)
             try:
-                response = await self.p2p.call(contact.address, STORE, request, timeout=self.rpc_timeout)
+                response = await self._send(contact.address, STORE, request, self.rpc_timeout)
                 chunk_results = protocol.store_results(response, len(chunk))
             except (P2PError, ValueError, TypeError) as e:
                 self._forget(contact, e)
@@ -358,8 +369,8 @@ class DHTNode:
     async def _ping(self, contact: Contact, timeout: float | None = None, forget: bool = True) -> bool:
         sent = time.monotonic()
         try:
-            reply = await self.p2p.call(contact.address, PING, protocol.ping_request(self._announce),
-                                        timeout=self.rpc_timeout if timeout is None else timeout)
+            reply = await self._send(contact.address, PING, protocol.ping_request(self._announce),
+                                     self.rpc_timeout if timeout is None else timeout)
         except P2PError as e:
             if forget:
                 self._forget(contact, e)
@@ -422,7 +433,7 @@ class DHTNode:
         address = self.known_address(peer_id)
         target: PeerAddress | PeerID = peer_id if address is None else address
         try:
-            await self.p2p.call(target, PING, protocol.ping_request(self._announce), timeout=timeout)
+            await self._send(target, PING, protocol.ping_request(self._announce), timeout)
         except RemoteError:
             return True  # it answered, if only to say it serves no DHT (a client-mode peer)
         except P2PError as e:

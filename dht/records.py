@@ -84,23 +84,31 @@ class RecordCodec:
             sub = "" if record.subkey is None else f" subkey {show_raw(record.subkey)}"
             raise ValidationError(f"key {show_raw(record.key)}{sub}: value is not valid msgpack") from None
 
-    def validated(self, key: bytes, entry: Entry) -> Entry | None:
-        """``entry`` without the records that fail validation (a lying peer cannot forge them)."""
+    def validated(self, key: bytes, entry: Entry,
+                  checked: set[tuple[bytes | None, bytes, float]] | None = None) -> Entry | None:
+        """``entry`` without the records that fail validation (a lying peer cannot forge them).
+
+        ``checked``: records of ``key`` that validated before (another replica's identical copy), which
+        skip the validators; those that validate now are added to it."""
         now, limit = self.storage.now(), self.storage.clock() + self.max_expiration + self.storage.clock_drift
         good: dict[bytes | None, tuple[bytes, float]] = {}
         dropped: list[str] = []
-        for subkey, value, exp in entry.records():
+        for record in entry.records():
+            subkey, value, exp = record
             if not now < exp <= limit:
                 if exp > limit:
                     dropped.append(f"expiration {exp - now:.0f} s ahead")
                 continue
-            try:
-                self.user_value(DHTRecord(key, subkey, value, exp))
-                if subkey is not None:
-                    decode_subkey(subkey)
-            except ValidationError as e:
-                dropped.append(str(e))
-                continue
+            if checked is None or record not in checked:
+                try:
+                    self.user_value(DHTRecord(key, subkey, value, exp))
+                    if subkey is not None:
+                        decode_subkey(subkey)
+                except ValidationError as e:
+                    dropped.append(str(e))
+                    continue
+                if checked is not None:
+                    checked.add(record)
             good[subkey] = (value, exp)
         self.on_dropped(key, dropped)
         if not good:

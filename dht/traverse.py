@@ -38,6 +38,9 @@ class Search:
     queried: set[int] = field(default_factory=set)
     responded: list[tuple[int, Contact]] = field(default_factory=list)
     found: list[tuple[Contact, Entry]] = field(default_factory=list)
+    # (subkey, value, expiration) records of this key that validated already: replicas mostly answer
+    # with identical copies, and each is checked once
+    checked: set[tuple[bytes | None, bytes, float]] = field(default_factory=set)
     in_flight: int = 0
     finished: bool = False
 
