@@ -243,7 +243,12 @@ class DHTNode:
         """The value under ``key``, or None.  ``latest`` asks every nearest replica, not the first."""
         return (await self.get_many([key], latest))[key]
 
-    async def get_many(self, keys: Sequence[Any], latest: bool = False) -> dict[Any, ValueWithExpiration | None]:
+    async def get_many(self, keys: Sequence[Any], latest: bool = False,
+                       alpha: int | None = None) -> dict[Any, ValueWithExpiration | None]:
+        """The values under ``keys`` (None where there is none), with one traversal for all of them.
+        ``alpha``: contacts asked at once per key (default the node's); 1 for a read that may be slow
+        but should cost little (a background refresh: one replica asked, not three).
+        """
         serialized = {k: serialize_key(k) for k in keys}
         for raw in serialized.values():
             check_size("key", raw, self.max_key_bytes)
@@ -257,7 +262,7 @@ class DHTNode:
         self.stats["get_many"] += 1
         self.stats["keys_traversed"] += len(searches)
         if searches:
-            await self._traverse(list(searches.values()), want_values=True)
+            await self._traverse(list(searches.values()), want_values=True, alpha=alpha)
         out: dict[Any, ValueWithExpiration | None] = {}
         for k, raw in serialized.items():
             kid = key_id(raw)
@@ -299,8 +304,8 @@ class DHTNode:
             ranked.sort(key=lambda dc: dc[0])
         return [c for _, c in ranked[: self.num_replicas]]
 
-    async def _traverse(self, searches: list[Search], want_values: bool) -> None:
-        await traverse(searches, self.alpha, self._call_find, self._absorb, want_values)
+    async def _traverse(self, searches: list[Search], want_values: bool, alpha: int | None = None) -> None:
+        await traverse(searches, alpha or self.alpha, self._call_find, self._absorb, want_values)
 
     def _absorb(self, search: Search, contact: Contact, entry: Entry | None, contacts: list) -> None:
         """Take ``contact``'s answer about ``search``'s key: only records that validate count as found,
