@@ -193,9 +193,9 @@ async def _read_prefixes(node: DHTNode, prefix: str, coords: list[tuple[int, ...
 
 
 async def _fetch(node: DHTNode, keys: dict[str, tuple[int, ...]], sizes: list[int],
-                 prefix_cache: PrefixCache | None) -> dict[tuple[int, ...], dict[int, str]]:
+                 prefix_cache: PrefixCache | None, alpha: int | None = None) -> dict[tuple[int, ...], dict[int, str]]:
     """Read prefix records with one ``get_many``: ``{coords: {next coordinate: address}}``."""
-    found = await node.get_many(list(keys))
+    found = await node.get_many(list(keys), alpha=alpha)
     out: dict[tuple[int, ...], dict[int, str]] = {}
     for key, c in keys.items():
         item = found.get(key)
@@ -214,9 +214,10 @@ def _refresh_soon(node: DHTNode, keys: dict[str, tuple[int, ...]], sizes: list[i
 
 
 async def _refresh(node: DHTNode, keys: dict[str, tuple[int, ...]], sizes: list[int], cache: PrefixCache) -> None:
-    """Read cached records again in the background; one that cannot be read expires as it would have."""
+    """Read cached records again in the background, one replica asked at a time (nobody waits for
+    it); a record that cannot be read expires as it would have."""
     try:
-        await _fetch(node, keys, sizes, cache)
+        await _fetch(node, keys, sizes, cache, alpha=1)
     except Exception as e:  # noqa: BLE001 - a background read: the next search reads them itself
         logger.debug("refreshing %d prefix records failed: %r", len(keys), e)
     finally:

@@ -31,10 +31,13 @@ class GridNode:
                 sub = self.records.setdefault(prefix_key(prefix, coords[:d]), {})
                 sub[coords[d]] = ValueWithExpiration(address, 0.0)
         self.calls: list[int] = []  # keys per get_many
+        self.alphas: list[int | None] = []  # and how many replicas each asked at once (None: the default)
         self.spawned: list[Coroutine] = []
 
-    async def get_many(self, keys: list[str], latest: bool = False) -> dict[str, ValueWithExpiration | None]:
+    async def get_many(self, keys: list[str], latest: bool = False,
+                       alpha: int | None = None) -> dict[str, ValueWithExpiration | None]:
         self.calls.append(len(keys))
+        self.alphas.append(alpha)
         return {k: ValueWithExpiration(self.records[k], 0.0) if k in self.records else None for k in keys}
 
     def spawn(self, coro: Coroutine) -> None:
@@ -98,6 +101,7 @@ async def test_a_prefix_cache_spares_the_dht_and_rereads_in_the_background():
     for coro in node.spawned:
         await coro
     assert not cache.refreshing and sum(node.calls[calls:]) == sum(node.calls[:calls])
+    assert node.alphas == [None] * calls + [1, 1]  # a background read asks one replica, not three
 
     cache.max_age = 0.0  # too old to use: read at once
     await find_best_experts(node, "ffn", scores, 4, prefix_cache=cache)
