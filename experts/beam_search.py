@@ -55,7 +55,7 @@ class PrefixCache:
     older than ``refresh_after`` (default half of ``max_age``) are still used, and read again in
     the background, so a search that runs often never waits for them."""
 
-    def __init__(self, max_age: float = 5.0, refresh_after: float | None = None, max_entries: int = 65536) -> None:
+    def __init__(self, max_age: float = 10.0, refresh_after: float | None = None, max_entries: int = 65536) -> None:
         self.max_age, self.max_entries = max_age, max_entries
         self.refresh_after = max_age / 2 if refresh_after is None else refresh_after
         self._records: dict[str, tuple[float, dict[int, str]]] = {}

@@ -88,7 +88,8 @@ class RemoteMixtureOfExperts(nn.Module):
     row's output is zero.  ``dht`` finds the experts; calls go through ``client`` (default: the
     DHT's own endpoint).  ``trusted_servers(uid, peer_id)`` (e.g. :class:`AssignedServers`), if
     given, decides which declared servers may serve which uid; the others are treated as absent.
-    ``prefix_cache_s``: how long beam search reuses a prefix record it read (0: read every time).
+    ``prefix_cache_s``: how long beam search reuses a prefix record it read, re-reading it in the
+    background after half that (0: read every time); experts declared since show up that much later.
     Inputs or output gradients with NaN or infinity raise ``NonFiniteValues`` before any call.
     """
 
@@ -97,7 +98,7 @@ class RemoteMixtureOfExperts(nn.Module):
                  backward_k_min: int = 1, backward_timeout: float | None = None, *, dht: DHT,
                  client: ExpertClient | None = None, beam_size: int | None = None,
                  allow_zero_outputs: bool = False, compression: str = "none",
-                 trusted_servers: TrustPolicy | None = None, prefix_cache_s: float = 5.0) -> None:
+                 trusted_servers: TrustPolicy | None = None, prefix_cache_s: float = 10.0) -> None:
         super().__init__()
         if not grid_size or any(int(n) < 1 for n in grid_size):
             raise ValueError(f"grid_size must be positive integers, got {grid_size!r}")
