@@ -55,8 +55,10 @@ class PrefixCache:
     older than ``refresh_after`` (default half of ``max_age``) are still used, and read again in
     the background, so a search that runs often never waits for them."""
 
-    def __init__(self, max_age: float = 10.0, refresh_after: float | None = None, max_entries: int = 65536) -> None:
+    def __init__(self, max_age: float = 10.0, refresh_after: float | None = None, max_entries: int = 65536,
+                 recheck_after: float = 1.0) -> None:
         self.max_age, self.max_entries = max_age, max_entries
+        self.recheck_after = recheck_after  # a record naming an excluded server: read again at most this often
         self.refresh_after = max_age / 2 if refresh_after is None else refresh_after
         self._records: dict[str, tuple[float, dict[int, str]]] = {}
         self.refreshing: set[str] = set()  # keys being read again in the background
@@ -75,6 +77,11 @@ class PrefixCache:
             return None, False
         self.hits += 1
         return item[1], age >= self.refresh_after and key not in self.refreshing
+
+    def age(self, key: str) -> float:
+        """Seconds since ``key`` was read (infinite if it is not cached)."""
+        item = self._records.get(key)
+        return float("inf") if item is None else time.monotonic() - item[0]
 
     def put(self, key: str, live: dict[int, str]) -> None:
         if len(self._records) >= self.max_entries:  # forget the stale ones, or everything if none is
@@ -154,11 +161,14 @@ async def find_best_experts(node: DHTNode, prefix: str, grid_scores: Sequence[np
                 if len(c) + 1 == depth:  # full uids: keep the trusted ones that are not excluded
                     live = _trusted(prefix, c, live, trusted_servers)
                     kept = _not_excluded(prefix, c, live, exclude)
-                    if len(kept) < len(live):  # a cached record naming a server that failed: read it again
-                        recheck[prefix_key(prefix, c)] = c
+                    key = prefix_key(prefix, c)
+                    if len(kept) < len(live) and prefix_cache is not None \
+                            and prefix_cache.age(key) >= prefix_cache.recheck_after:
+                        recheck[key] = c  # a record naming a server that failed: read it again, it may have moved
                     live = kept
                 cache[c] = _Kids(np.fromiter(live, dtype=np.int64, count=len(live)), list(live.values()))
-            if recheck and prefix_cache is not None:
+            if recheck:
+                assert prefix_cache is not None
                 _refresh_soon(node, recheck, sizes, prefix_cache)
         for i, expand in wanted.items():
             for coords in expand:

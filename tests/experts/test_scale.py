@@ -111,7 +111,7 @@ async def test_a_prefix_cache_spares_the_dht_and_rereads_in_the_background():
 async def test_excluded_experts_are_passed_over_and_their_records_read_again():
     declared = {c: f"server{c[1] % 2}" for c in itertools.product(range(4), range(4))}
     node = GridNode("ffn", declared)
-    cache = PrefixCache(max_age=60.0)
+    cache = PrefixCache(max_age=60.0, recheck_after=0.0)
     gen = np.random.default_rng(3)
     scores = [gen.normal(size=(4, 4)) for _ in range(2)]
     await find_best_experts(node, "ffn", scores, 3, prefix_cache=cache)
@@ -123,6 +123,11 @@ async def test_excluded_experts_are_passed_over_and_their_records_read_again():
     assert node.spawned  # a record naming an excluded server is read again: it may have moved
     for coro in node.spawned:
         await coro
+
+    node.spawned.clear()
+    fresh = PrefixCache(max_age=60.0)  # recheck_after 1 s: a record read just now is not read again yet
+    await find_best_experts(node, "ffn", scores, 3, prefix_cache=fresh, exclude=lambda uid, a: a == "server1")
+    assert not node.spawned
 
 
 def test_a_row_left_short_by_dead_experts_gets_the_next_best_in_the_same_pass(start_server, client_dht):
