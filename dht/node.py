@@ -10,6 +10,7 @@ peers answer, and whom to keep as contacts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import time
@@ -90,6 +91,9 @@ class DHTNode:
         self.suspect_for = suspect_for
         self._suspects: dict[int, tuple[float, Contact]] = {}
         self._closed = False
+        # what this node asked of the network, for cost measurements: RPCs sent by method name
+        # ("dht.find", ...), "get_many" calls and the "keys_traversed" that needed a lookup
+        self.stats: collections.Counter[str] = collections.Counter()
         self.handlers = DHTHandlers(p2p, self.storage, self.routing, bucket_size=bucket_size,
                                     max_key_bytes=max_key_bytes, max_value_bytes=max_value_bytes,
                                     local_time=self.clock.local, learn_sender=self._learn_sender,
@@ -262,7 +266,12 @@ class DHTNode:
             best = merge_entries(best, entry)
         return self.records.decode(best)
 
-    async def get_many(self, keys: Sequence[Any], latest: bool = False) -> dict[Any, ValueWithExpiration | None]:
+    async def get_many(self, keys: Sequence[Any], latest: bool = False,
+                       alpha: int | None = None) -> dict[Any, ValueWithExpiration | None]:
+        """The values under ``keys`` (None where there is none), with one traversal for all of them.
+        ``alpha``: contacts asked at once per key (default the node's); 1 for a read that may be slow
+        but should cost little (a background refresh: one replica asked, not three).
+        """
         serialized = {k: serialize_key(k) for k in keys}
         for raw in serialized.values():
             check_size("key", raw, self.max_key_bytes)
@@ -273,8 +282,10 @@ class DHTNode:
             local[kid] = None if self.client_mode else self.storage.get(kid)
             if local[kid] is None or latest:
                 searches[kid] = self._new_search(kid, raw, self.num_replicas, stop_on_value=not latest)
+        self.stats["get_many"] += 1
+        self.stats["keys_traversed"] += len(searches)
         if searches:
-            await self._traverse(list(searches.values()), want_values=True)
+            await self._traverse(list(searches.values()), want_values=True, alpha=alpha)
         out: dict[Any, ValueWithExpiration | None] = {}
         for k, raw in serialized.items():
             kid = key_id(raw)
@@ -316,8 +327,8 @@ class DHTNode:
             ranked.sort(key=lambda dc: dc[0])
         return [c for _, c in ranked[: self.num_replicas]]
 
-    async def _traverse(self, searches: list[Search], want_values: bool) -> None:
-        await traverse(searches, self.alpha, self._call_find, self._absorb, want_values)
+    async def _traverse(self, searches: list[Search], want_values: bool, alpha: int | None = None) -> None:
+        await traverse(searches, alpha or self.alpha, self._call_find, self._absorb, want_values)
 
     def _absorb(self, search: Search, contact: Contact, entry: Entry | None, contacts: list) -> None:
         """Take ``contact``'s answer about ``search``'s key: only records that validate count as found,
@@ -351,13 +362,18 @@ class DHTNode:
                 self.spawn(self._call_store(target, records))
 
     # ---- outgoing RPCs -------------------------------------------------------------------------
+    async def _send(self, target: PeerAddress | PeerID, method: str, request: Any, timeout: float) -> Any:
+        """One DHT RPC, counted in ``stats`` (what a lookup costs is measured in these)."""
+        self.stats[method] += 1
+        return await self.p2p.call(target, method, request, timeout=timeout)
+
     async def _call_find(self, contact: Contact, targets: list[int], want_values: bool,
                          contacts: int | None = None) -> list[FindAnswer] | None:
         """Ask ``contact`` about ``targets`` (and at most ``contacts`` contacts near each, None: a
         bucket's worth); None (and the contact forgotten) if it fails or lies."""
         request = protocol.find_request(self._announce, targets, want_values, contacts)
         try:
-            response = await self.p2p.call(contact.address, FIND, request, timeout=self.rpc_timeout)
+            response = await self._send(contact.address, FIND, request, self.rpc_timeout)
             answers = protocol.find_answers(response, len(targets), self.bucket_size)
         except (P2PError, ValueError, TypeError) as e:
             self._forget(contact, e)
@@ -370,7 +386,7 @@ class DHTNode:
         for chunk in protocol.store_chunks(records):
             request = protocol.store_request(self._announce, chunk)
             try:
-                response = await self.p2p.call(contact.address, STORE, request, timeout=self.rpc_timeout)
+                response = await self._send(contact.address, STORE, request, self.rpc_timeout)
                 chunk_results = protocol.store_results(response, len(chunk))
             except (P2PError, ValueError, TypeError) as e:
                 self._forget(contact, e)
@@ -382,8 +398,8 @@ class DHTNode:
     async def _ping(self, contact: Contact, timeout: float | None = None, forget: bool = True) -> bool:
         sent = time.monotonic()
         try:
-            reply = await self.p2p.call(contact.address, PING, protocol.ping_request(self._announce),
-                                        timeout=self.rpc_timeout if timeout is None else timeout)
+            reply = await self._send(contact.address, PING, protocol.ping_request(self._announce),
+                                     self.rpc_timeout if timeout is None else timeout)
         except P2PError as e:
             if forget:
                 self._forget(contact, e)
@@ -446,7 +462,7 @@ class DHTNode:
         address = self.known_address(peer_id)
         target: PeerAddress | PeerID = peer_id if address is None else address
         try:
-            await self.p2p.call(target, PING, protocol.ping_request(self._announce), timeout=timeout)
+            await self._send(target, PING, protocol.ping_request(self._announce), timeout)
         except RemoteError:
             return True  # it answered, if only to say it serves no DHT (a client-mode peer)
         except P2PError as e:

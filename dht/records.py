@@ -105,7 +105,7 @@ class RecordCodec:
                     dropped.append(f"expiration {exp - now:.0f} s ahead")
                 continue
             try:
-                self.user_value(DHTRecord(key, subkey, value, exp))
+                self.user_value(DHTRecord(key, subkey, value, exp))  # a copy seen before is not checked again
                 if subkey is not None:
                     decode_subkey(subkey)
             except ValidationError as e:

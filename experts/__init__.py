@@ -2,7 +2,7 @@
 DMoE layer that finds its experts through the DHT and keeps working when some of them vanish."""
 
 from .backend import ExpertBackend
-from .beam_search import FoundExpert, find_best_experts
+from .beam_search import FoundExpert, PrefixCache, find_best_experts
 from .checkpoints import load_experts, save_experts
 from .client import ExpertClient, default_client
 from .declare import declare_experts, get_expert_holders, get_experts, withdraw_experts
@@ -27,9 +27,9 @@ from .trust import AssignedServers, TrustPolicy
 __all__ = [
     "AssignedServers", "BackgroundExpertServer", "ExpertBackend", "ExpertCallFailed", "ExpertClient", "ExpertError",
     "ExpertInfo", "ExpertRequestTooLarge", "ExpertSchemaError", "ExpertServer", "ExpertState", "FeedforwardBlock",
-    "FoundExpert", "MixtureCallReport", "NonFiniteValues", "NopExpert", "NotEnoughExperts", "RemoteExpert",
-    "RemoteMixtureOfExperts", "TensorSchema", "TransformerBlock", "TrustPolicy", "UnknownExpert", "create_expert",
-    "declare_experts", "default_client", "expand_pattern", "expert_kinds", "fetch_expert_state", "find_best_experts",
-    "get_expert_holders", "get_experts", "load_experts", "load_state_bytes", "make_uid", "params_checksum", "parse_uid",
-    "register_expert_class", "save_experts", "state_bytes", "withdraw_experts",
+    "FoundExpert", "MixtureCallReport", "NonFiniteValues", "NopExpert", "NotEnoughExperts", "PrefixCache",
+    "RemoteExpert", "RemoteMixtureOfExperts", "TensorSchema", "TransformerBlock", "TrustPolicy", "UnknownExpert",
+    "create_expert", "declare_experts", "default_client", "expand_pattern", "expert_kinds", "fetch_expert_state",
+    "find_best_experts", "get_expert_holders", "get_experts", "load_experts", "load_state_bytes", "make_uid",
+    "params_checksum", "parse_uid", "register_expert_class", "save_experts", "state_bytes", "withdraw_experts",
 ]

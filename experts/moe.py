@@ -10,6 +10,11 @@ experts' scores only.  Backward goes only to experts that answered; each row nee
 An expert hosted by several servers (replicas) is called at one of them; if that one fails, the
 call goes to another holder listed in the expert's DHT record within the same deadline, and a
 server that failed is avoided for a while by later calls while another holder is known.
+Rows left short of ``k_min`` because chosen experts failed get a second wave: beam search again,
+passing over the servers that failed, and calls to the next best experts, within the same deadline
+(what a forward pass does when a tenth of the servers just died with their records still in the DHT).
+Prefix records are reused for ``prefix_cache_s`` seconds, so steady training reads each prefix of
+the grid once per that period instead of on every pass.
 An expert that answers with NaN, infinity or the wrong shape counts as failed for that call, like a
 dead one; with ``trusted_servers``, experts declared at servers the policy does not trust are never
 chosen.
@@ -34,7 +39,7 @@ from torch.autograd.function import once_differentiable
 from dht import DHT
 from p2p.codecs import cast_codec
 
-from .beam_search import FoundExpert, find_best_experts
+from .beam_search import FoundExpert, PrefixCache, find_best_experts
 from .client import ExpertClient
 from .declare import get_expert_holders
 from .errors import (
@@ -67,6 +72,8 @@ class MixtureCallReport:
     answered: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
     forward_seconds: float = 0.0
+    search_seconds: float = 0.0  # the beam search alone (DHT lookups included)
+    fallbacks: int = 0  # experts called in a second wave, for rows the first left short of k_min
     backward_answered: set[str] = field(default_factory=set)
     backward_failed: dict[str, str] = field(default_factory=dict)
 
@@ -81,6 +88,8 @@ class RemoteMixtureOfExperts(nn.Module):
     row's output is zero.  ``dht`` finds the experts; calls go through ``client`` (default: the
     DHT's own endpoint).  ``trusted_servers(uid, peer_id)`` (e.g. :class:`AssignedServers`), if
     given, decides which declared servers may serve which uid; the others are treated as absent.
+    ``prefix_cache_s``: how long beam search reuses a prefix record it read, re-reading it in the
+    background after half that (0: read every time); experts declared since show up that much later.
     Inputs or output gradients with NaN or infinity raise ``NonFiniteValues`` before any call.
     """
 
@@ -89,7 +98,7 @@ class RemoteMixtureOfExperts(nn.Module):
                  backward_k_min: int = 1, backward_timeout: float | None = None, *, dht: DHT,
                  client: ExpertClient | None = None, beam_size: int | None = None,
                  allow_zero_outputs: bool = False, compression: str = "none",
-                 trusted_servers: TrustPolicy | None = None) -> None:
+                 trusted_servers: TrustPolicy | None = None, prefix_cache_s: float = 10.0) -> None:
         super().__init__()
         if not grid_size or any(int(n) < 1 for n in grid_size):
             raise ValueError(f"grid_size must be positive integers, got {grid_size!r}")
@@ -105,6 +114,7 @@ class RemoteMixtureOfExperts(nn.Module):
         self.allow_zero_outputs = allow_zero_outputs
         self.compression = cast_codec(compression)
         self.trusted_servers = trusted_servers
+        self.prefix_cache = PrefixCache(prefix_cache_s) if prefix_cache_s > 0 else None
         self.dht = dht
         self.client = client or ExpertClient.from_dht(dht)
         self.proj = nn.Linear(in_features, sum(self.grid_size))
@@ -141,9 +151,23 @@ class RemoteMixtureOfExperts(nn.Module):
 
     def find_experts(self, grid_scores: Sequence[np.ndarray]) -> list[list[FoundExpert]]:
         """Beam search for every row (blocking; runs on the DHT's loop)."""
-        return self.dht.run_coroutine(
-            lambda node: find_best_experts(node, self.uid_prefix, grid_scores, self.k_best, self.beam_size,
-                                           trusted_servers=self.trusted_servers))
+        return self.dht.run_coroutine(lambda node: self._search(node, grid_scores))
+
+    def _search(self, node: Any, grid_scores: Sequence[np.ndarray],
+                failed: set[Key] | frozenset[Key] = frozenset()) -> Awaitable[list[list[FoundExpert]]]:
+        """Beam search passing over experts whose every known server failed lately (and ``failed``)."""
+        now = time.monotonic()
+        servers = {a for a, until in self._avoid.items() if until > now}
+        pairs = {key for key, until in self._avoid_uid.items() if until > now}
+
+        def exclude(uid: str, address: str) -> bool:
+            if (uid, address) in failed:
+                return True
+            return (address in servers or (uid, address) in pairs) and self._avoided(uid, self._route(uid, address))
+        return find_best_experts(node, self.uid_prefix, grid_scores, self.k_best, self.beam_size,
+                                 trusted_servers=self.trusted_servers,
+                                 exclude=exclude if servers or pairs or failed else None,
+                                 prefix_cache=self.prefix_cache)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -152,15 +176,17 @@ class RemoteMixtureOfExperts(nn.Module):
         flat = x.reshape(-1, self.in_features)
         check_finite(f"mixture {self.uid_prefix!r}", "input", [flat])
         grid_scores = self.proj(flat).split(self.grid_size, dim=1)
-        chosen = self.find_experts([s.detach().float().cpu().numpy() for s in grid_scores])
-        rows, k = flat.shape[0], max((len(c) for c in chosen), default=0)
-        self.last_call = MixtureCallReport([[e.uid for e in c] for c in chosen])
-
+        scores = [s.detach().float().cpu().numpy() for s in grid_scores]
+        started = time.perf_counter()
+        chosen = self.find_experts(scores)
+        self.last_call = MixtureCallReport([[e.uid for e in c] for c in chosen],
+                                           search_seconds=time.perf_counter() - started)
+        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, on_host(flat), self, chosen, scores)
+        expert_out, answered = expert_out.to(flat.device), answered.to(flat.device)
+        rows, k = flat.shape[0], max((len(c) for c in chosen), default=0)  # chosen: with the second wave's
         pad = (0,) * len(self.grid_size)
         idx = torch.tensor([[e.coords for e in experts] + [pad] * (max(k, 1) - len(experts)) for experts in chosen],
                            dtype=torch.long).reshape(rows, max(k, 1), len(self.grid_size))
-        expert_out, answered = _RemoteMixtureCall.apply(DUMMY, on_host(flat), self, chosen)
-        expert_out, answered = expert_out.to(flat.device), answered.to(flat.device)
         gate = sum(s.gather(1, idx[:, :, d].to(s.device)) for d, s in enumerate(grid_scores))
         any_answer = answered.any(dim=1, keepdim=True)
         gate = torch.where(any_answer, gate.masked_fill(~answered, float("-inf")), torch.zeros_like(gate))
@@ -171,9 +197,10 @@ class RemoteMixtureOfExperts(nn.Module):
 
     # ---- calls (on the client's loop) ----------------------------------------------------------
     async def _call_all(self, calls: dict[Key, Coroutine], rows_of: dict[Key, list[int]], num_rows: int,
-                        k_min: int, timeout: float | None) -> tuple[dict[Key, Any], dict[Key, BaseException]]:
-        """Run every call; stop once each row has ``k_min`` answers (or cannot get them) plus
-        ``timeout_after_k_min``, or at ``timeout``.  Calls still running are cancelled."""
+                        k_min: int | np.ndarray, timeout: float | None
+                        ) -> tuple[dict[Key, Any], dict[Key, BaseException]]:
+        """Run every call; stop once each row has ``k_min`` answers (or cannot get them; an array:
+        per row) plus ``timeout_after_k_min``, or at ``timeout``.  Calls still running are cancelled."""
         loop = asyncio.get_running_loop()
         tasks = {asyncio.ensure_future(coro): key for key, coro in calls.items()}
         got = np.zeros(num_rows, dtype=np.int64)
@@ -225,18 +252,75 @@ class RemoteMixtureOfExperts(nn.Module):
             failures[tasks[task]] = ExpertCallFailed("did not answer in time")
         return results, failures
 
-    async def _forward_calls(self, x: torch.Tensor, groups: dict[Key, tuple[list[int], list[int]]]):
-        """Every chosen expert's forward: (results, failures, the address that answered each)."""
-        timeout = self.forward_timeout
+    async def _forward_calls(self, x: torch.Tensor, chosen: list[list[FoundExpert]], scores: Sequence[np.ndarray]):
+        """Every chosen expert's forward, then a second wave for the rows left short of ``k_min`` (its
+        experts appended to ``chosen``): (groups, results, failures, the address that answered each)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self.forward_timeout is None else loop.time() + self.forward_timeout
+        groups = _groups(chosen)
+        results, failures, served = await self._forward_wave(x, groups, self.k_min, self.forward_timeout)
+        got = np.zeros(x.shape[0], dtype=np.int64)
+        for key in results:
+            got[groups[key][0]] += 1
+        short = np.flatnonzero(got < self.k_min)
+        left = None if deadline is None else deadline - loop.time()
+        if not len(short) or not failures or (left is not None and left <= 0):
+            return groups, results, failures, served
+        extra = await self._second_wave(chosen, scores, short, set(failures))
+        if self.last_call is not None:
+            self.last_call.fallbacks = len({(e.uid, e.address) for new in extra.values() for e in new})
+        if not extra:
+            return groups, results, failures, served
+        more = _groups(chosen, extra)
+        need = np.maximum(self.k_min - got, 0)
+        results2, failures2, served2 = await self._forward_wave(x, more, need, left)
+        for key, (rows, slots) in more.items():
+            if key in results2 and key in results:  # answered for other rows in the first wave too
+                results[key] = [torch.cat([results[key][0], results2[key][0]])]
+                groups[key] = (groups[key][0] + rows, groups[key][1] + slots)
+            elif key in results2:
+                results[key], groups[key], served[key] = results2[key], (rows, slots), served2[key]
+            elif key not in results:
+                failures[key], groups[key] = failures2[key], (rows, slots)
+        return groups, results, failures, served
 
+    async def _forward_wave(self, x: torch.Tensor, groups: dict[Key, tuple[list[int], list[int]]],
+                            k_min: int | np.ndarray, timeout: float | None):
+        """One wave of forward calls: (results, failures, the address that answered each)."""
         def forward(key: Key, rows: list[int]) -> Coroutine:
             return self._with_failover(key, lambda address, left: self._checked_forward(address, key[0], x[rows],
                                                                                         left), timeout)
         calls = {key: forward(key, rows) for key, (rows, _) in groups.items()}
         answers, failures = await self._call_all(calls, {key: g[0] for key, g in groups.items()}, x.shape[0],
-                                                 self.k_min, timeout)
+                                                 k_min, timeout)
         return ({key: outputs for key, (_, outputs) in answers.items()}, failures,
                 {key: address for key, (address, _) in answers.items()})
+
+    async def _second_wave(self, chosen: list[list[FoundExpert]], scores: Sequence[np.ndarray], short: np.ndarray,
+                           failed: set[Key]) -> dict[int, list[FoundExpert]]:
+        """For each short row, the experts of a new search (passing over the servers that failed) that
+        it did not choose yet; appended to ``chosen``.  Why: a dead server's records outlive it (until
+        they expire), so the first search still names its experts."""
+        subset = [s[short] for s in scores]
+        try:
+            found = await self._on_dht(lambda node: self._search(node, subset, failed))
+        except Exception as e:  # no DHT answer: the first wave's answers are all there is
+            logger.debug("searching replacements for failed experts failed: %r", e)
+            return {}
+        extra: dict[int, list[FoundExpert]] = {}
+        for r, experts in zip(short.tolist(), found, strict=True):
+            had = {e.uid for e in chosen[r]}
+            new = [e for e in experts if e.uid not in had]
+            if new:
+                extra[r] = new
+                chosen[r].extend(new)
+        return extra
+
+    async def _on_dht(self, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``fn(node)`` on the DHT's loop, from the client's loop (the same one, or another thread's)."""
+        if asyncio.get_running_loop() is self.dht.loop:
+            return await fn(self.dht.node)
+        return await asyncio.wrap_future(self.dht.run_coroutine(fn, return_future=True))
 
     async def _checked_forward(self, address: str, uid: str, x: torch.Tensor, timeout: float | None) -> list:
         """One expert's forward; an answer that does not fit the layer's output schema is a failure."""
@@ -316,10 +400,7 @@ class RemoteMixtureOfExperts(nn.Module):
         def lookup(node: Any) -> Awaitable[dict[str, list[str]]]:
             return get_expert_holders(node, [uid], latest=True, trusted_servers=self.trusted_servers)
         try:
-            if asyncio.get_running_loop() is self.dht.loop:
-                found = await lookup(self.dht.node)
-            else:
-                found = await asyncio.wrap_future(self.dht.run_coroutine(lookup, return_future=True))
+            found = await self._on_dht(lookup)
         except Exception as e:  # no DHT answer: no other holder to try
             logger.debug("looking up the holders of %s failed: %r", uid, e)
             return []
@@ -334,6 +415,22 @@ class RemoteMixtureOfExperts(nn.Module):
                 continue
             return info.outputs_schema[0]
         return None
+
+
+def _groups(chosen: list[list[FoundExpert]],
+            extra: dict[int, list[FoundExpert]] | None = None) -> dict[Key, tuple[list[int], list[int]]]:
+    """Which rows (and slots of each row's choice) each expert serves: every chosen expert's, or
+    only the ``extra`` ones, which sit at the end of their rows' lists."""
+    groups: dict[Key, tuple[list[int], list[int]]] = {}
+    if extra is None:
+        items = [(r, j, e) for r, experts in enumerate(chosen) for j, e in enumerate(experts)]
+    else:
+        items = [(r, len(chosen[r]) - len(new) + j, e) for r, new in extra.items() for j, e in enumerate(new)]
+    for r, j, e in items:
+        g = groups.setdefault((e.uid, e.address), ([], []))
+        g[0].append(r)
+        g[1].append(j)
+    return groups
 
 
 def _output_problem(outputs: list, schema: TensorSchema | None) -> str | None:
@@ -370,20 +467,15 @@ class _RemoteMixtureCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, x: torch.Tensor, layer: RemoteMixtureOfExperts,
-                chosen: list[list[FoundExpert]]) -> tuple[torch.Tensor, torch.Tensor]:
+                chosen: list[list[FoundExpert]], scores: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.monotonic()
-        rows, k = x.shape[0], max((len(c) for c in chosen), default=0)
-        groups: dict[Key, tuple[list[int], list[int]]] = {}
-        for r, experts in enumerate(chosen):
-            for j, e in enumerate(experts):
-                g = groups.setdefault((e.uid, e.address), ([], []))
-                g[0].append(r)
-                g[1].append(j)
         x = x.detach()
-        results, failures, served = layer.client.run(layer._forward_calls(x, groups))
+        groups, results, failures, served = layer.client.run(layer._forward_calls(x, chosen, scores))
+        rows, k = x.shape[0], max((len(c) for c in chosen), default=0)  # chosen: with the second wave's
         schema = _agreed_outputs(results, failures, layer.output_schema)
         report = layer.last_call
         if report is not None:
+            report.chosen = [[e.uid for e in c] for c in chosen]
             report.answered = {uid for uid, _ in results}
             report.failed = {uid: f"{type(e).__name__}: {e}" for (uid, _), e in failures.items()}
 
@@ -450,4 +542,4 @@ class _RemoteMixtureCall(torch.autograd.Function):
             raise NotEnoughExperts(
                 f"{len(short)} of {x.shape[0]} rows got fewer than backward_k_min={layer.backward_k_min} "
                 f"backward answers; {_short(failures)}")
-        return None, (grad_x if ctx.needs_input_grad[1] else None), None, None
+        return None, (grad_x if ctx.needs_input_grad[1] else None), None, None, None

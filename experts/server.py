@@ -48,7 +48,8 @@ class ExpertServer:
 
     def __init__(self, p2p: P2P, backends: Mapping[str, ExpertBackend], dht: DHTNode | None, *,
                  batch_timeout: float, update_period: float, expiration: float,
-                 checkpoint_dir: Path | None, checkpoint_period: float | None, announce_host: str | None) -> None:
+                 checkpoint_dir: Path | None, checkpoint_period: float | None, announce_host: str | None,
+                 runtime: Runtime | None = None) -> None:
         self.p2p = p2p
         self.backends = dict(backends)
         self.dht = dht
@@ -56,7 +57,8 @@ class ExpertServer:
         self.expiration = expiration
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_period = checkpoint_period
-        self.runtime = Runtime()
+        self._owns_runtime = runtime is None  # a shared runtime outlives this server
+        self.runtime = runtime if runtime is not None else Runtime()
         self.scheduler = BatchScheduler(self.runtime, batch_timeout)
         self._forward_pools: dict[str, TaskPool] = {}
         self._backward_pools: dict[str, TaskPool] = {}
@@ -89,9 +91,12 @@ class ExpertServer:
                      update_period: float = 30.0, expiration: float | None = None,
                      checkpoint_dir: str | Path | None = None, checkpoint_period: float | None = None,
                      announce_host: str | None = None, dht_options: dict | None = None,
-                     p2p_options: dict | None = None) -> ExpertServer:
+                     p2p_options: dict | None = None, runtime: Runtime | None = None) -> ExpertServer:
         """Listen on ``host:port``, load checkpoints, and (with ``initial_peers``) declare the experts
-        in the DHT before returning, so callers can find them at once."""
+        in the DHT before returning, so callers can find them at once.
+
+        ``runtime``: a runtime shared with other servers of this loop (many small servers in one
+        process then use one torch thread between them); the caller shuts it down after them."""
         backends = dict(experts) if isinstance(experts, Mapping) else {b.uid: b for b in experts}
         if not isinstance(experts, Mapping) and len(backends) != len(experts):
             raise ValueError("two experts have the same uid")
@@ -111,7 +116,7 @@ class ExpertServer:
                 dht = await DHTNode.create(initial_peers, p2p=p2p, **options)
             server = cls(p2p, backends, dht, batch_timeout=batch_timeout, update_period=update_period,
                          expiration=expiration, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-                         checkpoint_period=checkpoint_period, announce_host=announce_host)
+                         checkpoint_period=checkpoint_period, announce_host=announce_host, runtime=runtime)
             await server._start()
         except BaseException:
             if server is not None:
@@ -341,7 +346,8 @@ class ExpertServer:
             await self.save_checkpoints()
         except Exception as e:
             logger.warning("saving expert checkpoints at shutdown failed: %r", e)
-        await asyncio.get_running_loop().run_in_executor(None, self.runtime.shutdown)
+        if self._owns_runtime:
+            await asyncio.get_running_loop().run_in_executor(None, self.runtime.shutdown)
 
     @property
     def stats(self) -> dict[str, dict[str, float]]:

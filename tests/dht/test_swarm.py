@@ -40,6 +40,25 @@ async def test_batched_store_many_and_get_many(make_swarm):
     assert {k[1]: v.value for k, v in got.items()} == {i: i * i for i in range(50)}
 
 
+async def test_a_get_asking_one_replica_at_a_time_finds_the_same_with_fewer_calls(make_swarm):
+    nodes = await make_swarm(24)
+    exp = time.time() + HOUR
+    keys = [f"prefix.{i}." for i in range(20)]
+    assert all(await nodes[0].store_many(keys, list(range(20)), exp))
+    reader = await DHTNode.create([str(nodes[5].address)], client_mode=True)
+    try:
+        sent = []
+        for alpha in (None, 1):
+            before = reader.stats["dht.find"]
+            got = await reader.get_many(keys, alpha=alpha)
+            assert {k: v.value for k, v in got.items()} == {k: i for i, k in enumerate(keys)}
+            sent.append(reader.stats["dht.find"] - before)
+        assert reader.stats["get_many"] == 2 and reader.stats["keys_traversed"] == 40
+        assert sent[1] < sent[0], sent  # a background read's cost: one replica asked per key, not alpha = 3
+    finally:
+        await reader.shutdown()
+
+
 async def test_a_store_at_the_replicas_found_before_looks_nothing_up_and_lands_where_a_lookup_would(make_swarm):
     nodes = await make_swarm(16)
     writer, reader = nodes[3], nodes[11]
