@@ -15,7 +15,8 @@ Orchestrator part: ``_scale_orchestrator.measure`` (a policy tick over 1,000 ins
 the dashboard and the CLI over 10^6 sample rows).  Mixture-of-experts part: ``_scale_moe.measure``
 when present.
 
-``--quick``: N = 16 and 64, short runs, the other parts at their quick sizes (~60 s).
+``--quick``: N = 16 and 64, short runs, the orchestrator over 20,000 sample rows, no
+mixture-of-experts part (``_scale_moe.py --quick`` runs it alone in about a minute); under 60 s.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ CHILD = [sys.executable, "-m", "benchmarks._scale_peers"]
 def settings(n: int, capacity: int, duration: float, seed: int, initial: list[str], **extra: float) -> dict:
     # a global batch of about 3 s of the swarm's samples, whatever its size
     return {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
-            "refresh": 0.25, "target": int(capacity * 7), "speed": 1.0, "duration": duration,
+            "refresh": 0.5, "target": int(capacity * 7), "speed": 1.0, "duration": duration,
             "warmup": min(4.0, duration / 3), **extra}
 
 
@@ -145,15 +146,15 @@ def optional_part(module: str, **kwargs: object) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N = 16 and 64, quick sizes for every part (~60 s)")
+    parser.add_argument("--quick", action="store_true", help="N = 16 and 64, short runs, no experts part (< 60 s)")
     parser.add_argument("--sizes", default=None, help="comma-separated N (default 16,64,256)")
     parser.add_argument("--duration", type=float, default=None, help="seconds each swarm trains")
-    parser.add_argument("--parts", default="swarm,orchestrator,moe")
+    parser.add_argument("--parts", default=None, help="swarm,orchestrator,moe (quick: swarm,orchestrator)")
     args = parser.parse_args()
     exit_on_sigterm()
     sizes = [int(x) for x in (args.sizes or ("16,64" if args.quick else "16,64,256")).split(",")]
-    duration = args.duration or (8.0 if args.quick else 40.0)
-    parts = set(args.parts.split(","))
+    duration = args.duration or (6.0 if args.quick else 40.0)
+    parts = set((args.parts or ("swarm,orchestrator" if args.quick else "swarm,orchestrator,moe")).split(","))
     out: dict = {"sizes": sizes}
     by_n: dict[int, dict] = {}
     try:
@@ -161,7 +162,7 @@ def main() -> None:
             for n in sizes:
                 by_n[n] = guarded(f"swarm_{n}", swarm, n, duration, True, duration + 60 + n / 4)
         if "orchestrator" in parts:
-            kwargs = {"instances": 1000, "sample_rows": 100_000 if args.quick else 1_000_000, "quick": args.quick}
+            kwargs = {"instances": 1000, "sample_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick}
             out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", **kwargs)
         if "moe" in parts:
             out["moe"] = guarded("moe", optional_part, "benchmarks._scale_moe", quick=args.quick)
