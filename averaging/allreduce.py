@@ -46,6 +46,7 @@ import torch
 
 from p2p import P2P, P2PError, PeerID
 from p2p.codecs import BadChunk, Codec, decode_into, encode
+from p2p.waiting import wait_event
 
 from .partition import MIN_CHUNK, Chunk, FlatTensors, chunk_size_problem, describe_mismatch, part_bounds
 from .reduction import DEFAULT_NORM_RATIO, Reducer, all_finite
@@ -236,11 +237,8 @@ class AllReduceRound:
         if not reducer.in_flight:
             return
         bound = min(self.sender_timeout, max(deadline - asyncio.get_running_loop().time(), 0.0))
-        try:
-            await asyncio.wait_for(reducer.idle.wait(), bound)
+        if await wait_event(reducer.idle, bound):
             return
-        except asyncio.TimeoutError:
-            pass
         why = f"took no averaged chunk for {bound:.3g} s after the round ended"
         for s in sorted(reducer.in_flight):
             self._drop(s, f"part {self.group.my_index}: {why}")

@@ -20,6 +20,7 @@ from dht import DHTNode, ReplicaSets
 from dht.replicas import REUSED_FOR
 from p2p import P2PError, PeerID
 from p2p.node import CallContext
+from p2p.waiting import wait_event
 
 from .allreduce import GroupInfo, claimed_weight
 from .load_balancing import load_balanced_parts
@@ -234,10 +235,7 @@ class Matchmaker:
                         lead.dismiss("another peer leads this group")
                         return None
                 wake = min(next_check, started + self.min_matchmaking_time, deadline)
-                try:
-                    await asyncio.wait_for(lead.changed.wait(), max(wake - loop.time(), 0))
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(lead.changed, max(wake - loop.time(), 0))
                 lead.changed.clear()
         finally:
             if self._leading is lead:

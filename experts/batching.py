@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2p.waiting import wait_event
+
 from .errors import NonFiniteValues
 from .runtime import Runtime
 from .schema import shape_signature
@@ -158,9 +160,7 @@ class BatchScheduler:
             if remaining <= 0:
                 return
             self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._wakeup, remaining):
                 return
 
     async def _run(self) -> None:

@@ -24,6 +24,7 @@ import pydantic
 
 from dht import DHTNode, ReplicaSets, SignatureValidator, owners_in
 from p2p import PeerID
+from p2p.waiting import wait_event
 
 from .progress_tree import DOWN, UP, ProgressLayout, ProgressSummary, freshest, freshest_by_child, merge, summarize
 
@@ -186,10 +187,7 @@ class ProgressTracker:
         interval = max(self.refresh_interval, 1.0) if slow else self.refresh_interval
         while True:
             eta = self.view().eta  # read again when the view expects the batch complete, not an interval later
-            try:
-                await asyncio.wait_for(self._wake.wait(), min(interval, eta) if eta > 0 else interval)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._wake, min(interval, eta) if eta > 0 else interval)
             self._wake.clear()
             with self._handing:
                 progress, self._unpublished = self._unpublished, None
