@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,8 +28,10 @@ from workers.progress import PeerProgress, ProgressTracker
 from workers.progress_tree import ProgressLayout
 from workers.run_keys import run_validators
 
+logger = logging.getLogger("scale_peers")
 RUN = "scale"
 TICK = 0.2  # seconds between a peer's simulated micro-steps
+REPORT_EVERY = 1.0  # seconds between its reports, but for a step's, which goes out at once
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Peer:
     samples: float = 0.0
     closed: bool = False
     seen: dict[int, float] = field(default_factory=dict)  # epoch -> when this peer's view first showed it
+    joined: float = 0.0  # when its view first read the swarm
     steps: list[tuple[int, float, int]] = field(default_factory=list)  # (epoch done, when, live peers seen)
 
 
@@ -63,6 +68,8 @@ async def train(peer: Peer, end: float, violations: list[str]) -> None:
     """Add samples, publish, step when the view says the batch is complete (as DeDLOC's peers do)."""
     tracker = peer.tracker
     await tracker.start_view()
+    peer.joined = time.time()
+    reported = 0.0
     while time.time() < end and not peer.closed:
         peer.samples += peer.speed * TICK
         view = tracker.view()
@@ -80,8 +87,11 @@ async def train(peer: Peer, end: float, violations: list[str]) -> None:
             peer.steps.append((peer.epoch, now, view.live_peers))
             peer.epoch, peer.samples = peer.epoch + 1, 0.0
             peer.seen.setdefault(peer.epoch, now)
-        tracker.publish(PeerProgress(epoch=peer.epoch, samples=int(peer.samples), samples_per_second=peer.speed,
-                                     time=tracker.now()))
+            reported = 0.0
+        if now - reported >= REPORT_EVERY:
+            reported = now
+            tracker.publish(PeerProgress(epoch=peer.epoch, samples=int(peer.samples),
+                                         samples_per_second=peer.speed, time=tracker.now()))
         await asyncio.sleep(TICK)  # a micro-step's compute
 
 
@@ -91,7 +101,14 @@ def traffic(peers: list[Peer]) -> tuple[int, int, int]:
     return sum(t.messages for t in totals), sum(t.bytes for t in totals), sum(p.tracker.refreshes for p in peers)
 
 
+def dump_tasks() -> None:
+    """SIGUSR1: every task's stack to stderr (what a child that stopped answering waits on)."""
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=6, file=sys.stderr)
+
+
 async def main(settings: dict) -> None:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     rng = random.Random(settings["seed"])
     initial = list(settings["initial"])
     peers: list[Peer] = []
@@ -102,6 +119,7 @@ async def main(settings: dict) -> None:
             initial = [str(peer.tracker.node.address)]
     entrances = [p for p in peers if p.tracker.node.address is not None][:3]  # others join through these
     emit({"ready": [str(p.tracker.node.address) for p in entrances]})
+    logger.info("ready: %d peers", len(peers))
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     start = float(line.split()[1])
     end = start + settings["duration"]
@@ -129,6 +147,8 @@ async def main(settings: dict) -> None:
             tasks.append(asyncio.ensure_future(train(newcomer, end, violations)))
     await asyncio.sleep(max(window[1] - time.time(), 0.0))
     live = [p for p in peers if not p.closed]
+    logger.info("window over %.1f s late; %d peers, refreshes %s", time.time() - window[1], len(live),
+                sum(p.tracker.refreshes for p in live))
     msgs, nbytes, _ = traffic(live)
     refreshes = sum(p.tracker.refreshes - counted[id(p)] for p in live)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -139,10 +159,12 @@ async def main(settings: dict) -> None:
         "peers": len(live), "messages": msgs, "bytes": nbytes, "refreshes": refreshes,
         "seconds": window[1] - window[0],
         "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime), "rss": rss,
-        "steps": [s for p in peers for s in p.steps], "seen": [p.seen for p in live],
+        "steps": [s for p in peers for s in p.steps], "seen": [{"joined": p.joined, "epochs": p.seen} for p in live],
         "violations": violations[:20], "violation_count": len(violations)}})
     await asyncio.gather(*(p.tracker.node.shutdown() for p in live))
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logger.setLevel(logging.INFO)
     asyncio.run(main(json.loads(sys.argv[1])))

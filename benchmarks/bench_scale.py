@@ -50,9 +50,10 @@ CHILD = [sys.executable, "-m", "benchmarks._scale_peers"]
 
 
 def settings(n: int, capacity: int, duration: float, seed: int, initial: list[str], **extra: float) -> dict:
-    # a global batch of about 3 s of the swarm's samples, whatever its size
+    # a global batch of about 5 s of the swarm's samples (2.3 a second per peer), whatever its size;
+    # views refresh every second, when a step's report wakes them, and when they expect the batch full
     return {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
-            "refresh": 0.5, "target": int(capacity * 7), "speed": 1.0, "duration": duration,
+            "refresh": 1.0, "target": int(capacity * 12), "speed": 1.0, "duration": duration,
             "warmup": min(4.0, duration / 3), **extra}
 
 
@@ -94,7 +95,10 @@ def swarm(n: int, duration: float, churn: bool, limit_s: float) -> dict:
             replacement.send(f"go {time.time()}")
         for child in children:
             if child is not victim:
-                results.append(child.recv("result", deadline)["result"])
+                try:
+                    results.append(child.recv("result", deadline)["result"])
+                except ChildFailed as e:
+                    raise ChildFailed(f"{e}{child.tail()}") from None
     except ChildFailed as e:
         return {"error": str(e)}
     finally:
@@ -111,12 +115,14 @@ def figures(n: int, results: list[dict]) -> dict:
     for r in results:
         for epoch, when, _live in r["steps"]:
             steps.setdefault(epoch, []).append(when)
-    # how long after the first peer stepped epoch e every live peer's view showed e + 1
+    # how long after the first peer stepped epoch e every live peer's view showed e + 1 (the peers
+    # there at that step: a replacement that joined later shows it from its first read)
     lags = []
     for epoch, times in sorted(steps.items())[1:-1]:  # the first and last epochs are cut by the run
-        seen = [s.get(str(epoch + 1)) for r in results for s in r["seen"]]
-        if all(x is not None for x in seen):
-            lags.append(max(seen) - min(times))
+        first = min(times)
+        seen = [s["epochs"].get(str(epoch + 1)) for r in results for s in r["seen"] if s["joined"] < first]
+        if seen and all(x is not None for x in seen):
+            lags.append(max(seen) - first)
     epochs = sorted(steps)
     durations = [b - a for a, b in zip([min(steps[e]) for e in epochs], [min(steps[e]) for e in epochs[1:]],
                                        strict=False)]
@@ -160,7 +166,7 @@ def main() -> None:
     try:
         if "swarm" in parts:
             for n in sizes:
-                by_n[n] = guarded(f"swarm_{n}", swarm, n, duration, True, duration + 60 + n / 4)
+                by_n[n] = guarded(f"swarm_{n}", swarm, n, duration, True, duration + 90 + n / 2)
         if "orchestrator" in parts:
             kwargs = {"instances": 1000, "sample_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick}
             out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", **kwargs)
