@@ -111,10 +111,10 @@ class CollaborativeOptimizer:
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
                                              allreduce_timeout=averaging_timeout, compression=compression,
                                              bandwidth=bandwidth)
-            tracker = ProgressTracker(node, run, target_batch_size, signer,
-                                      layout=ProgressLayout(run, capacity=swarm_size))
+            layout = ProgressLayout(run, capacity=swarm_size)
+            tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout)
             await tracker.start_view()
-            sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock)
+            sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock, layout=layout)
             return averager, tracker, sharer
 
         self.averager, self.tracker, self.state = dht.run_coroutine(build)

@@ -88,8 +88,10 @@ class ProgressLayout:
             digits.append(digit)
         return tuple(reversed(digits))
 
-    def key(self, path: tuple[int, ...]) -> str:
-        return f"{self.run}.progress" + "".join(f".{d}" for d in path)
+    def key(self, path: tuple[int, ...], kind: str = "progress") -> str:
+        """The key at ``path`` of the tree of ``kind`` keys: ``progress``, or ``state`` (the state
+        adverts, kept in leaves alike so that no key holds one subkey per peer of a large run)."""
+        return f"{self.run}.{kind}" + "".join(f".{d}" for d in path)
 
     def all_leaves(self) -> list[tuple[int, ...]]:
         """Every leaf's path: what an observer (the supervisor) reads to see each peer's record."""

@@ -81,14 +81,15 @@ def run_rules(run: str) -> list[KeyRule]:
     owned = dict(dictionary=True, subkey=str, owned_subkeys=True, allow_none=True)
     matchmaking = re.compile(rf"{re.escape(run)}_[A-Za-z0-9_-]+\.mm\..+")
     progress = re.compile(rf"{re.escape(run)}\.progress(\.[0-9]+)*")
+    state = re.compile(rf"{re.escape(run)}\.state(\.[0-9]+)*")
     return [
         KeyRule.regex(progress.pattern, f"progress keys of run {run!r}", value=ProgressRecord | ProgressSummary,
                       **owned),
-        KeyRule.exact(f"{run}.state", value=StateAdvert, **owned),
+        KeyRule.regex(state.pattern, f"state advert keys of run {run!r}", value=StateAdvert, **owned),
         KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", dictionary=True, subkey=str,
                       value=MatchmakingDeclaration, allow_none=True),
-        # a group key may be a number, and a progress key looks like an expert's name
-        *expert_rules(exclude=lambda key: any(r.fullmatch(key) is not None for r in (matchmaking, progress))),
+        # a group key may be a number, and a progress or state key looks like an expert's name
+        *expert_rules(exclude=lambda key: any(r.fullmatch(key) is not None for r in (matchmaking, progress, state))),
     ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,10 @@ from dht import DHTNode, SignatureValidator
 from p2p import CallKind, P2PError, PeerAddress
 from p2p.node import CallContext
 
+from .progress_tree import ProgressLayout
+
 logger = logging.getLogger(__name__)
+DONOR_KEYS_PER_READ = 16  # state-advert keys a newcomer reads at once, in a run with more than one
 
 _TENSOR = "__tensor__"
 
@@ -90,10 +94,13 @@ class StateSharer:
 
     def __init__(self, node: DHTNode, run: str, signer: SignatureValidator,
                  get_state: Callable[[], tuple[int, Any]], rpc_timeout: float = 30.0,
-                 lock: threading.Lock | None = None) -> None:
+                 lock: threading.Lock | None = None, layout: ProgressLayout | None = None) -> None:
         self.node = node
         self.run = run
-        self.key = f"{run}.state"
+        # adverts live in the leaf of the run's key layout where our progress does: one key in a
+        # run of up to 16 peers, about 16 adverts a key in a larger one
+        self.layout = layout or ProgressLayout(run)
+        self.key = self.layout.key(self.layout.leaf_of(node.peer_id), "state")
         self.subkey = f"{signer.marker}{node.peer_id}"
         self.get_state = get_state
         self.lock = lock or threading.Lock()  # the owner's, held while it changes its state
@@ -147,9 +154,24 @@ class StateSharer:
             yield {"i": i, "t": snap.tensors[i], "h": snap.sums[i]}
 
     # ---- downloading ---------------------------------------------------------------------------
-    async def donors(self, min_epoch: int = 0) -> list[tuple[int, str]]:
-        """(epoch, address) of peers offering state, freshest first."""
-        found = await self.node.get(self.key, latest=True)
+    async def donors(self, min_epoch: int = 0, enough: int = 8) -> list[tuple[int, str]]:
+        """(epoch, address) of peers offering state, freshest first.  In a large run the leaves are
+        read a batch at a time, ours first, until ``enough`` donors turned up (a newcomer needs a
+        few, not every peer's advert)."""
+        leaves = self.layout.all_leaves()
+        mine = self.layout.leaf_of(self.node.peer_id)
+        random.shuffle(leaves)
+        keys = [self.key] + [self.layout.key(path, "state") for path in leaves if path != mine]
+        out: list[tuple[int, str]] = []
+        for start in range(0, len(keys), DONOR_KEYS_PER_READ):
+            found = await self.node.get_many(keys[start:start + DONOR_KEYS_PER_READ], latest=True)
+            for entry in found.values():
+                out.extend(self._adverts(entry, min_epoch))
+            if len(out) >= enough:
+                break
+        return sorted(out, reverse=True)
+
+    def _adverts(self, found: Any, min_epoch: int) -> list[tuple[int, str]]:
         out = []
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
@@ -159,7 +181,7 @@ class StateSharer:
                 epoch, address = value.get("epoch"), value.get("a")
                 if isinstance(epoch, int) and epoch >= min_epoch and isinstance(address, str):
                     out.append((epoch, address))
-        return sorted(out, reverse=True)
+        return out
 
     async def download(self, min_epoch: int = 0, max_donors: int = 4) -> tuple[int, Any]:
         """The freshest verified state at or after ``min_epoch``, from up to ``max_donors`` in parallel."""

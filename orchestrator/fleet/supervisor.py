@@ -88,7 +88,7 @@ class SupervisorCore:
         self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(
             n, config.cluster_name, config.training.target_batch_size, signer, layout=layout, observer=True)))
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
-                                                             lambda: self.checkpoints.serve()))
+                                                             lambda: self.checkpoints.serve(), layout=layout))
         self.checkpoints = Checkpointer(config, self.store, self.dht, self.state, self.archiver, self.clock)
         self.policy = FleetPolicy(config, make_provider(config, self.clock, run_dir), self.clock, self.store,
                                   self._worker_control(), self._worker_args, boot_script=self._boot_script,
@@ -429,8 +429,8 @@ def _ray_node() -> dict:
             "head": "node:__internal_head__" in info.get("Resources", {})}
 
 
-async def _make(cls: Any, *args: Any) -> Any:
-    return cls(*args)
+async def _make(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    return cls(*args, **kwargs)
 
 
 async def _viewing(tracker: ProgressTracker) -> ProgressTracker:

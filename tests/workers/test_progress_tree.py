@@ -1,5 +1,6 @@
 """Progress in a tree of keys: every peer sees the whole swarm's sums, each peer counted once, and a
-peer's traffic per view refresh stays flat as the swarm grows (one key read, not N records)."""
+peer's traffic per view refresh stays flat as the swarm grows (one key read, not N records).  State
+adverts live in the same leaves, so no key of a large run holds one subkey per peer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from p2p import Identity
 from workers.progress import PeerProgress, ProgressTracker
 from workers.progress_tree import ProgressLayout, ProgressSummary, merge, summarize
 from workers.run_keys import run_validators
+from workers.state import StateSharer
 
 RUN = "tree"
 TARGET = 10**9  # never reached: the sums are compared, not the readiness
@@ -53,7 +55,7 @@ async def swarm_of_trackers(n: int, fanout: int) -> list[ProgressTracker]:
     layout = ProgressLayout(RUN, capacity=n, fanout=fanout)
     trackers: list[ProgressTracker] = []
     rng = random.Random(n)
-    for i in range(n):
+    for _ in range(n):
         identity = Identity()
         validators = run_validators(RUN, identity)
         initial = [str(rng.choice(trackers).node.address)] if trackers else []
@@ -99,23 +101,55 @@ async def close(trackers: list[ProgressTracker]) -> None:
     await asyncio.gather(*(t.node.shutdown() for t in trackers))
 
 
+async def measured_swarm(n: int, until) -> tuple[float, float]:
+    """``n`` peers (fan-out 4): every view sums them all, a step reaches every view; the traffic per refresh."""
+    trackers = await swarm_of_trackers(n, fanout=4)
+    try:
+        assert trackers[0].layout.depth == (2 if n == 8 else 3)
+        await until(lambda: sees_everyone(trackers), 60, f"every view of {n} peers summing all {n}")
+        cost = await traffic_per_refresh(trackers, until)
+        first = trackers[0]  # a step of one peer reaches every view through the tree
+        first.publish(PeerProgress(epoch=4, samples=0, samples_per_second=0.0, time=first.now()))
+        await until(lambda: all(t.view().epoch == 4 and t.view().num_peers == 1 for t in trackers), 30,
+                    "epoch 4 in every view")
+        return cost
+    finally:
+        await close(trackers)
+
+
 @pytest.mark.timeout(120)
 async def test_every_view_sums_the_whole_swarm_and_a_peers_traffic_grows_sublinearly(until):
-    costs = {}
-    for n in (8, 32):
-        trackers = await swarm_of_trackers(n, fanout=4)
-        try:
-            assert trackers[0].layout.depth == (2 if n == 8 else 3)
-            await until(lambda: sees_everyone(trackers), 60, f"every view of {n} peers summing all {n}")
-            costs[n] = await traffic_per_refresh(trackers, until)
-            # a step of one peer reaches every view through the tree
-            first = trackers[0]
-            first.publish(PeerProgress(epoch=4, samples=0, samples_per_second=0.0, time=first.now()))
-            await until(lambda: all(t.view().epoch == 4 and t.view().num_peers == 1 for t in trackers), 30,
-                        "epoch 4 in every view")
-        finally:
-            await close(trackers)
+    costs = {n: await measured_swarm(n, until) for n in (8, 32)}
     (msgs8, bytes8), (msgs32, bytes32) = costs[8], costs[32]
     # four times the peers: a flat key would cost each reader four times the bytes per refresh
     assert msgs32 / msgs8 < 2.0, costs
     assert bytes32 / bytes8 < 2.0, costs
+
+
+@pytest.mark.timeout(60)
+async def test_state_adverts_live_in_leaves_and_a_newcomer_finds_donors_in_other_leaves():
+    layout = ProgressLayout(RUN, capacity=24, fanout=4)  # 6 leaves
+    nodes, sharers = [], []
+    try:
+        for _ in range(12):
+            identity = Identity()
+            validators = run_validators(RUN, identity)
+            node = await DHTNode.create([str(nodes[0].address)] if nodes else [], identity=identity,
+                                        validators=validators)
+            nodes.append(node)
+            sharers.append(StateSharer(node, RUN, validators[0], lambda: (0, {}), layout=layout))
+        for i, sharer in enumerate(sharers[:-1]):
+            await sharer.advertise(epoch=i)
+        keys = {s.key for s in sharers[:-1]}
+        assert len(keys) > 1 and all(k.startswith(f"{RUN}.state.") for k in keys)
+        newcomer = sharers[-1]
+        found = await newcomer.donors(enough=100)  # every advert, wherever it lives
+        assert [epoch for epoch, _ in found] == list(range(10, -1, -1))
+        assert {address for _, address in found} == {str(n.address) for n in nodes[:-1]}
+        held = [await nodes[0].get(k, latest=True) for k in keys]
+        assert sum(len(h.value) for h in held) == 11 and max(len(h.value) for h in held) < 11
+        assert len(await newcomer.donors(min_epoch=9)) == 2
+    finally:
+        for s in sharers:
+            s.close()
+        await asyncio.gather(*(n.shutdown() for n in nodes))
