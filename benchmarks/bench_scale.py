@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,20 +50,24 @@ PER_PROCESS = 64
 CHILD = [sys.executable, "-m", "benchmarks._scale_peers"]
 
 
-def settings(n: int, capacity: int, duration: float, seed: int, initial: list[str], **extra: float) -> dict:
+def settings(n: int, capacity: int, duration: float, seed: int, initial: list[str], **extra: Any) -> dict:
     # a global batch of about 5 s of the swarm's samples (2.3 a second per peer), whatever its size;
     # views refresh every second, when a step's report wakes them, and when they expect the batch full
-    return {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
-            "refresh": 1.0, "target": int(capacity * 12), "speed": 1.0, "duration": duration,
-            "warmup": min(4.0, duration / 3), **extra}
+    out = {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
+           "refresh": 1.0, "target": int(capacity * 12), "speed": 1.0, "duration": duration,
+           "warmup": min(4.0, duration / 3), **extra}
+    if out.pop("flat", False):
+        out["capacity"] = 16  # one key
+    return out
 
 
 def start(name: str, config: dict) -> Child:
     return Child(name, [*CHILD, json.dumps(config)], env=ONE_THREAD_ENV)
 
 
-def swarm(n: int, duration: float, churn: bool, limit_s: float) -> dict:
-    """One run of ``n`` peers; its figures, or why it failed."""
+def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = False) -> dict:
+    """One run of ``n`` peers; its figures, or why it failed.  ``flat``: every record under one key,
+    as every run had before the progress tree (the layout sized for 16 peers)."""
     deadline = time.monotonic() + limit_s
     victim_n = max(1, round(n * 0.05)) if churn else 0
     rest = n - victim_n
@@ -72,12 +77,12 @@ def swarm(n: int, duration: float, churn: bool, limit_s: float) -> dict:
     children: list[Child] = []
     try:
         first = start("peers0", settings(sizes[0], n, duration, 0, [], close_at=duration / 2,
-                                         close_count=min(closes, sizes[0] - 1)))
+                                         close_count=min(closes, sizes[0] - 1), flat=flat))
         children.append(first)
         initial = first.recv("ready", deadline)["ready"]
         for i, size in enumerate(sizes[1:], 1):
-            children.append(start(f"peers{i}", settings(size, n, duration, i, initial)))
-        victim = start("victim", settings(victim_n, n, duration, 99, initial)) if victim_n else None
+            children.append(start(f"peers{i}", settings(size, n, duration, i, initial, flat=flat)))
+        victim = start("victim", settings(victim_n, n, duration, 99, initial, flat=flat)) if victim_n else None
         if victim:
             children.append(victim)
         for child in children[1:]:
@@ -89,7 +94,7 @@ def swarm(n: int, duration: float, churn: bool, limit_s: float) -> dict:
         if victim:
             time.sleep(max(t0 + duration / 2 - time.time(), 0.0))  # the trace's moment of the kill
             victim.kill()  # SIGKILL of the whole process: its peers vanish mid-call
-            replacement = start("replacement", settings(victim_n, n, duration / 2 - 1, 98, initial))
+            replacement = start("replacement", settings(victim_n, n, duration / 2 - 1, 98, initial, flat=flat))
             children.append(replacement)
             replacement.recv("ready", deadline)
             replacement.send(f"go {time.time()}")
@@ -141,7 +146,7 @@ def figures(n: int, results: list[dict]) -> dict:
     }
 
 
-def optional_part(module: str, **kwargs: object) -> dict:
+def optional_part(module: str, kwargs: dict) -> dict:
     """A part that lives in its own module, if that module exists here."""
     try:
         measure = importlib.import_module(module).measure
@@ -155,6 +160,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 16 and 64, short runs, no experts part (< 60 s)")
     parser.add_argument("--sizes", default=None, help="comma-separated N (default 16,64,256)")
     parser.add_argument("--duration", type=float, default=None, help="seconds each swarm trains")
+    parser.add_argument("--flat", action="store_true", help="every progress record under one key (the old layout)")
     parser.add_argument("--parts", default=None, help="swarm,orchestrator,moe (quick: swarm,orchestrator)")
     args = parser.parse_args()
     exit_on_sigterm()
@@ -166,12 +172,12 @@ def main() -> None:
     try:
         if "swarm" in parts:
             for n in sizes:
-                by_n[n] = guarded(f"swarm_{n}", swarm, n, duration, True, duration + 90 + n / 2)
+                by_n[n] = guarded(f"swarm_{n}", swarm, n, duration, True, duration + 90 + n / 2, args.flat)
         if "orchestrator" in parts:
             kwargs = {"instances": 1000, "sample_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick}
-            out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", **kwargs)
+            out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", kwargs)
         if "moe" in parts:
-            out["moe"] = guarded("moe", optional_part, "benchmarks._scale_moe", quick=args.quick)
+            out["moe"] = guarded("moe", optional_part, "benchmarks._scale_moe", {"quick": args.quick})
     finally:
         kill_all()
     cells = [("peers", "d"), ("epochs", "d"), ("epoch_s", ".2f"), ("epoch_seen_lag_s", ".2f"),
