@@ -45,7 +45,9 @@ class MoshpitSGD:
                                        min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                                        allreduce_timeout=averaging_timeout, compression=compression,
                                        bandwidth=bandwidth)
-            # progress is published as in collaborative runs, for start-up and for the orchestrator
+            # progress is published as in collaborative runs, for start-up and for the orchestrator; with
+            # no background view, a peer of a run over 16 peers reads its own leaf's rounds only (its
+            # leaf mates are a random sample of the swarm: they join the swarm's round as well)
             return averager, ProgressTracker(node, run, 1, signer, layout=ProgressLayout(run, capacity=swarm_size))
 
         self.averager, self.tracker = dht.run_coroutine(build)
