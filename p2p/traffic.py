@@ -41,18 +41,20 @@ class Traffic:
         self.by_method: dict[str, MethodTraffic] = {}
 
     def sent(self, method: str, nbytes: int) -> None:
-        entry = self.by_method.get(method)
-        if entry is None:
-            entry = self.by_method[method] = MethodTraffic()
+        entry = self._entry(method)
         entry.messages_out += 1
         entry.bytes_out += nbytes
 
     def received(self, method: str, nbytes: int) -> None:
+        entry = self._entry(method)
+        entry.messages_in += 1
+        entry.bytes_in += nbytes
+
+    def _entry(self, method: str) -> MethodTraffic:
         entry = self.by_method.get(method)
         if entry is None:
             entry = self.by_method[method] = MethodTraffic()
-        entry.messages_in += 1
-        entry.bytes_in += nbytes
+        return entry
 
     def total(self, prefixes: Iterable[str] | None = None) -> MethodTraffic:
         """The sum over every method, or over the methods starting with one of ``prefixes``."""
