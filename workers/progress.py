@@ -123,7 +123,7 @@ class ProgressTracker:
         if self.observer and self.layout.depth > 1:
             keys = [self.layout.key(path) for path in self.layout.all_leaves()]
             found = await self.node.get_many(keys, latest=True)
-            reads = [_parse(found[k]) for k in keys]
+            reads = [_parse(found[k], self.now() + self.fresh_for) for k in keys]
             return ({k: p for r in reads for k, p in r.records.items()},
                     {k for r in reads for k in r.withdrawn}, None)
         read = await self._read_key(self.key)
@@ -132,7 +132,8 @@ class ProgressTracker:
     async def _read_key(self, key: str) -> _KeyRead:
         """One key from its nearest ``READ_REPLICAS`` replicas (every write goes to them all)."""
         replicas = await self._replicas.of(key)
-        return _parse(await self.node.get(key, at=replicas[:READ_REPLICAS]))
+        # a summary dated ahead would stay the freshest for good: a clock a little ahead is all it may be
+        return _parse(await self.node.get(key, at=replicas[:READ_REPLICAS]), self.now() + self.fresh_for)
 
     async def global_progress(self) -> GlobalProgress:
         """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
@@ -262,9 +263,9 @@ class ProgressTracker:
                               total.peers)
 
 
-def _parse(found: object) -> _KeyRead:
-    """A progress key's value as read: malformed entries are left out (a replica validates what it
-    stores, but a reader does not trust the replica either)."""
+def _parse(found: object, not_after: float) -> _KeyRead:
+    """A progress key's value as read: malformed entries, and summaries dated after ``not_after``, are
+    left out (a replica validates what it stores, but a reader does not trust the replica either)."""
     out = _KeyRead()
     value = getattr(found, "value", None)
     if not isinstance(value, dict):
@@ -278,7 +279,9 @@ def _parse(found: object) -> _KeyRead:
             continue
         try:
             if kind:
-                (out.ups if kind == UP else out.downs)[subkey] = ProgressSummary.model_validate(item.value)
+                summary = ProgressSummary.model_validate(item.value)
+                if summary.time <= not_after:
+                    (out.ups if kind == UP else out.downs)[subkey] = summary
             else:
                 out.records[subkey] = PeerProgress.model_validate(item.value)
         except pydantic.ValidationError:

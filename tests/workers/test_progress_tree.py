@@ -153,3 +153,20 @@ async def test_state_adverts_live_in_leaves_and_a_newcomer_finds_donors_in_other
         for s in sharers:
             s.close()
         await asyncio.gather(*(n.shutdown() for n in nodes))
+
+
+@pytest.mark.timeout(60)
+async def test_a_summary_dated_ahead_is_not_taken_for_the_freshest(until):
+    trackers = await swarm_of_trackers(8, fanout=4)
+    try:
+        await until(lambda: sees_everyone(trackers), 30, "every view of 8 peers")
+        liar = trackers[0]
+        forged = ProgressSummary(epoch=10**6, samples=0, samples_per_second=0, at_epoch=1000, live=1000,
+                                 peers=1000, time=liar.now() + 3600)
+        await liar.node.store(liar.key, forged.model_dump(), liar.now() + 30, subkey=liar.subkey + ":down")
+        before = [t.refreshes for t in trackers]
+        await until(lambda: all(t.refreshes >= b + 3 for t, b in zip(trackers, before, strict=True)), 30,
+                    "three more refreshes of every view")
+        assert all(t.view().epoch == 3 and t.view().peers == 8 for t in trackers)
+    finally:
+        await close(trackers)
