@@ -95,10 +95,10 @@ async def train(peer: Peer, end: float, violations: list[str]) -> None:
         await asyncio.sleep(TICK)  # a micro-step's compute
 
 
-def traffic(peers: list[Peer]) -> tuple[int, int, int]:
-    """DHT messages and bytes, both ways, and view refreshes, summed over ``peers``."""
+def traffic(peers: list[Peer]) -> tuple[int, int]:
+    """DHT messages and bytes, both ways, summed over ``peers``."""
     totals = [p.tracker.node.p2p.traffic.total(["dht."]) for p in peers]
-    return sum(t.messages for t in totals), sum(t.bytes for t in totals), sum(p.tracker.refreshes for p in peers)
+    return sum(t.messages for t in totals), sum(t.bytes for t in totals)
 
 
 def dump_tasks() -> None:
@@ -149,7 +149,7 @@ async def main(settings: dict) -> None:
     live = [p for p in peers if not p.closed]
     logger.info("window over %.1f s late; %d peers, refreshes %s", time.time() - window[1], len(live),
                 sum(p.tracker.refreshes for p in live))
-    msgs, nbytes, _ = traffic(live)
+    msgs, nbytes = traffic(live)
     refreshes = sum(p.tracker.refreshes - counted[id(p)] for p in live)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -105,6 +105,21 @@ def one_machine_config(tmp_path, name: str):
                                          "available_node_types": {"small": {"min_workers": 1, "max_workers": 1}}})
 
 
+def assert_written_in_order(run_dir) -> None:
+    """The held writes of the full-disk tests landed, all of them and in their order."""
+    from orchestrator.runs.store import RunStore
+
+    store = RunStore.open(run_dir)
+    try:
+        kinds = [k for (k,) in store.db.execute("SELECT kind FROM events ORDER BY rowid")]
+        assert kinds == ["before", "launch", "after"]
+        assert [row[1] for row in store.progress_rows()] == list(range(1, 200))
+        (instance,) = store.instances()
+        assert (instance.ended_at, instance.end_reason) == (200.0, "preempted")
+    finally:
+        store.close()
+
+
 @pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
 def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tmp_path):
     from orchestrator.runs.store import InstanceRecord, RunStore
@@ -126,15 +141,7 @@ def test_a_full_disk_holds_the_run_stores_writes_back_in_order_and_loses_none(tm
         store.event("after")  # the next write lands the held ones first
         assert store.pending_writes == 0
         store.close()
-    store = RunStore.open(run_dir)  # back on the real disk, as it was written
-    try:
-        kinds = [k for (k,) in store.db.execute("SELECT kind FROM events ORDER BY rowid")]
-        assert kinds == ["before", "launch", "after"]
-        assert [row[1] for row in store.progress_rows()] == list(range(1, 200))
-        (instance,) = store.instances()
-        assert (instance.ended_at, instance.end_reason) == (200.0, "preempted")
-    finally:
-        store.close()
+    assert_written_in_order(run_dir)  # back on the real disk, as it was written
     with pytest.raises(sqlite3.OperationalError):  # a bad statement is still the caller's error
         RunStore.open(run_dir).update_instance("i-1", no_such_column=1)
 
@@ -164,15 +171,7 @@ def test_a_batch_that_meets_a_full_disk_is_held_back_whole_and_lands_in_order(tm
         store.event("after")  # the next write lands the held ones first
         assert store.pending_writes == 0
         store.close()
-    store = RunStore.open(run_dir)
-    try:
-        kinds = [k for (k,) in store.db.execute("SELECT kind FROM events ORDER BY rowid")]
-        assert kinds == ["before", "launch", "after"]
-        assert [row[1] for row in store.progress_rows()] == list(range(1, 200))
-        (instance,) = store.instances()
-        assert (instance.ended_at, instance.end_reason) == (200.0, "preempted")
-    finally:
-        store.close()
+    assert_written_in_order(run_dir)
 
 
 @pytest.mark.skipif(chaos_disk.unavailable() is not None, reason=str(chaos_disk.unavailable()))
