@@ -22,15 +22,18 @@ class ReplicaSets:
     def __init__(self, node: DHTNode, reuse_for: float = REUSED_FOR) -> None:
         self.node = node
         self.reuse_for = reuse_for
-        self._sets: dict[Any, tuple[float, list[Contact | None]]] = {}  # key -> (reused until, loop time; set)
+        # key -> (reused until, loop time; the set; the routing table's size when it was found)
+        self._sets: dict[Any, tuple[float, list[Contact | None], int]] = {}
 
     async def of(self, key: Any) -> list[Contact | None]:
         """The replicas of ``key`` (None: this node), looked up again only when stale or broken."""
         now = asyncio.get_running_loop().time()
         reused = self._sets.get(key)
-        if reused is not None and now < reused[0] and self.node.still_reachable(reused[1]):
+        if reused is not None and now < reused[0] and self.node.still_reachable(reused[1]) \
+                and (len(reused[1]) >= self.node.num_replicas or len(self.node.routing) == reused[2]):
             return reused[1]
         replicas = await self.node.nearest_replicas(key)
+        known = len(self.node.routing)
         self._sets = {k: v for k, v in self._sets.items() if v[0] > now}  # keys that changed (Moshpit's, epochs')
-        self._sets[key] = (now + self.reuse_for, replicas)
+        self._sets[key] = (now + self.reuse_for, replicas, known)
         return replicas

@@ -10,7 +10,7 @@ import msgpack
 import pydantic
 import pytest
 
-from dht import DHTNode, RecordTooLarge, SchemaValidator, SignatureValidator, ValidationError
+from dht import DHTNode, RecordTooLarge, ReplicaSets, SchemaValidator, SignatureValidator, ValidationError
 from dht.routing import key_id, node_id_of, serialize_key
 from p2p import P2P, Identity
 
@@ -267,3 +267,20 @@ async def test_max_expiration_is_configurable(make_swarm):
     assert await nodes[0].store("k", 1, time.time() + 50)
     raw = [[serialize_key("k2"), None, msgpack.packb(1), time.time() + 120]]
     assert await nodes[0].p2p.call(nodes[1].address, "dht.store", {"r": raw}) == [False]
+
+
+async def test_a_replica_set_found_alone_is_found_again_once_others_join(make_swarm):
+    """A run's first peer finds itself the only replica of its progress key; reused as it was, its
+    records would stay on itself alone, and a newcomer reading at other replicas would not see them."""
+    first = (await make_swarm(1))[0]
+    sets = ReplicaSets(first)
+    assert await sets.of("run.progress") == [None]
+    others = [await DHTNode.create([str(first.address)]) for _ in range(3)]
+    make_swarm.created.extend(others)
+    replicas = await sets.of("run.progress")
+    assert len(replicas) == 4 and None in replicas  # every peer, not just the first
+    assert await first.store("run.progress", "first's record", time.time() + HOUR, at=replicas)
+    for node in others:
+        near = (await ReplicaSets(node).of("run.progress"))[:3]
+        got = await node.get("run.progress", at=near)
+        assert got is not None and got.value == "first's record"
