@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -50,6 +52,7 @@ class StepResult:
     part_sizes: list[int] = field(default_factory=list)  # elements each member reduced
     # parts (by reducer index) whose average did not all come back: our tensors keep local values there
     unaveraged_parts: list[int] = field(default_factory=list)
+    group: GroupInfo | None = field(default=None, repr=False)  # the group as formed (None: no group)
 
     @property
     def averaged(self) -> bool:
@@ -164,7 +167,8 @@ class DecentralizedAverager:
         return self.node.peer_id
 
     async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all",
-                   target_group_size: int | None = None, abort: asyncio.Event | None = None) -> StepResult:
+                   target_group_size: int | None = None, abort: asyncio.Event | None = None,
+                   min_group_size: int | None = None, patience: float | None = None) -> StepResult:
         """Find a group under ``group_key`` and average with it; averages in place.
 
         ``weight`` (e.g. samples processed) weighs this peer in the mean; at most ``max_weight``.
@@ -172,6 +176,8 @@ class DecentralizedAverager:
         and ``group_size == 1`` if no group formed.
         Raises ShapeMismatch if the group's tensors differ from ours.  Setting ``abort`` gives up
         matchmaking (e.g. the others have moved on without us); a round once started runs to its end.
+        ``target_group_size`` and ``min_group_size`` override the averager's for this step, and
+        ``patience`` how long a leader waits for a full group (``Matchmaker.form_group``).
         """
         try:
             weight = float(weight)
@@ -182,12 +188,13 @@ class DecentralizedAverager:
             raise ValueError(f"{problem}: a weight must be finite, >= 0 and at most max_weight")
         async with self._lock:
             try:
-                return await self._step(weight, timeout, group_key, target_group_size, abort)
+                return await self._step(weight, timeout, group_key, target_group_size, abort, min_group_size,
+                                        patience)
             finally:
                 self.phase = "idle"
 
     async def _step(self, weight: float, timeout: float | None, group_key: str, target_group_size: int | None,
-                    abort: asyncio.Event | None) -> StepResult:
+                    abort: asyncio.Event | None, min_group_size: int | None, patience: float | None) -> StepResult:
         """One matchmaking, then one round with the group found (if any)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -200,15 +207,52 @@ class DecentralizedAverager:
         checking = loop.run_in_executor(self._checker, all_finite, self.flat.flat)
         try:
             group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
-                                          weight)
+                                          weight, min_group_size, patience)
         finally:
             finite = await checking  # never left reading our buffer once the step is over
         matched = loop.time()
         if group is None or group.size < 2:
             return StepResult(1, matchmaking_time=matched - started)
         self.phase = "all-reduce"
-        round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, self.codec,
-                                  group.chunk_size, self.sender_timeout, self.window,
+        result = await self._run_round(group, weight, self.codec, min(matched + self.allreduce_timeout,
+                                                                      max(deadline, matched + 1e-3)),
+                                       self.sender_timeout, finite)
+        result.matchmaking_time = matched - started
+        return result
+
+    async def broadcast(self, group: GroupInfo, source: int, timeout: float, *, failed: bool = False) -> StepResult:
+        """Give every member of a group formed earlier (``StepResult.group``) member ``source``'s
+        values, exactly: one more round among the same members, with source weighing 1, the others 0,
+        no compression, and source reducing nothing, so nobody calls it before it is ready (it may come
+        seconds after the others, from a group above).  ``failed``: source has nothing to give (its
+        round above failed); it says so up front, and every member sees it in ``failed_peers`` at once.
+        The members wait for source up to ``timeout``."""
+        members = [i for i, address in enumerate(group.addresses) if i != source and address is not None]
+        reducers = members or [source]  # every other member in client mode: source must reduce after all
+        numel = self.flat.numel
+        sizes = [0] * group.size
+        for k, i in enumerate(reducers):
+            sizes[i] = numel // len(reducers) + (1 if k < numel % len(reducers) else 0)
+        copy_id = hashlib.sha256(b"copy" + group.group_id).digest()[:len(group.group_id)]
+        copy = dataclasses.replace(group, group_id=copy_id, part_sizes=sizes,
+                                   weights=[1.0 if i == source else 0.0 for i in range(group.size)])
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            try:
+                self.phase = "all-reduce"
+                weight = copy.weights[copy.my_index]
+                return await self._run_round(copy, weight, Codec.NONE, loop.time() + timeout, timeout,
+                                             None if group.my_index != source else not failed)
+            finally:
+                self.phase = "idle"
+
+    async def _run_round(self, group: GroupInfo, weight: float, codec: Codec, deadline: float,
+                         sender_timeout: float, finite: bool | None) -> StepResult:
+        """One butterfly round with a formed group; the result says what came back."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, codec,
+                                  group.chunk_size, sender_timeout, self.window,
                                   max_weight=self.max_weight, norm_ratio=self.norm_ratio, finite=finite)
         future = self._rounds.setdefault(group.group_id, loop.create_future())
         if not future.done():
@@ -216,7 +260,7 @@ class DecentralizedAverager:
         others = [peer for i, peer in enumerate(group.peer_ids) if i != group.my_index]
         watching = asyncio.ensure_future(self.meter.watch(self.node.p2p, others)) if self.meter else None
         try:
-            outcome = await round_.run(min(matched + self.allreduce_timeout, max(deadline, matched + 1e-3)))
+            outcome = await round_.run(deadline)
         finally:
             self._rounds.pop(group.group_id, None)
             if watching is not None:
@@ -227,14 +271,15 @@ class DecentralizedAverager:
             failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],
             excluded={group.peer_ids[i]: outcome.failed[i] for i in sorted(outcome.failed)},
             bytes_sent=outcome.bytes_sent, bytes_received=outcome.bytes_received,
-            matchmaking_time=matched - started, allreduce_time=loop.time() - matched,
+            allreduce_time=loop.time() - started,
             group_id=group.group_id.hex(), my_index=group.my_index,
             group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes),
-            unaveraged_parts=sorted(outcome.unaveraged))
+            unaveraged_parts=sorted(outcome.unaveraged), group=group)
 
     async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
-                         abort: asyncio.Event | None, weight: float) -> GroupInfo | None:
-        forming = self.matchmaker.form_group(group_key, deadline, target_group_size, weight)
+                         abort: asyncio.Event | None, weight: float, min_group_size: int | None,
+                         patience: float | None) -> GroupInfo | None:
+        forming = self.matchmaker.form_group(group_key, deadline, target_group_size, weight, min_group_size, patience)
         if abort is None:
             return await forming
         task = asyncio.ensure_future(forming)

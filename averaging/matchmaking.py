@@ -84,6 +84,8 @@ class Matchmaker:
         self.target_group_size = target_group_size
         self._target = target_group_size  # this call's target: at most target_group_size
         self._weight = 1.0  # this call's weight in the average
+        self._min_size = min_group_size  # this call's smallest group a leader closes
+        self._patience = min_matchmaking_time  # this call's wait for a full group before closing a smaller one
         self.min_group_size = min_group_size
         self.min_matchmaking_time = min_matchmaking_time
         self.request_timeout = request_timeout
@@ -126,16 +128,22 @@ class Matchmaker:
         return f"{self.prefix}.mm.{group_key}"
 
     # ---- the whole procedure -------------------------------------------------------------------
-    async def form_group(self, group_key: str, deadline: float,
-                         target_group_size: int | None = None, weight: float = 1.0) -> GroupInfo | None:
+    async def form_group(self, group_key: str, deadline: float, target_group_size: int | None = None,
+                         weight: float = 1.0, min_group_size: int | None = None,
+                         patience: float | None = None) -> GroupInfo | None:
         """Find a group before ``deadline`` (loop time); None if none formed.
 
         ``target_group_size`` overrides the configured target for this call (e.g. the number of
         peers known to be ready), so a leader can close the group as soon as everyone is in.
-        ``weight`` is this peer's weight in the average, declared to the group.
+        ``weight`` is this peer's weight in the average, declared to the group.  ``min_group_size``
+        overrides the smallest group a leader closes after ``patience`` (default ``min_matchmaking_time``;
+        a leader short of it waits on, until ``deadline``), where a full group closes at once: a
+        planned group whose members come over a few seconds waits for them all.
         """
         loop = asyncio.get_running_loop()
         self._target = min(target_group_size or self.target_group_size, self.target_group_size)
+        self._min_size = min(min_group_size or self.min_group_size, self._target)
+        self._patience = self.min_matchmaking_time if patience is None else patience
         self._weight = weight
         declared_at = self.node.clock.now()  # compared with the others' declarations: the swarm's time
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
@@ -186,7 +194,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         request = {"k": group_key, "schema": self.schema, "bw": self.bandwidth, "w": self._weight,
                    "a": self.p2p.listen_address_str and str(self.p2p.address)}
-        timeout = min(deadline - loop.time(), self.min_matchmaking_time + self.request_timeout)
+        timeout = min(deadline - loop.time(), self._patience + self.request_timeout)
         if timeout <= 0:
             return None
         try:
@@ -222,8 +230,8 @@ class Matchmaker:
             while True:
                 now = loop.time()
                 size = len(lead.followers) + 1
-                if size >= self._target or (size >= self.min_group_size and (
-                        now - started >= self.min_matchmaking_time or now >= deadline)):
+                if size >= self._target or (size >= self._min_size and (
+                        now - started >= self._patience or now >= deadline)):
                     return self._assemble(lead)
                 if now >= deadline:
                     lead.dismiss("leader ran out of time")
@@ -234,7 +242,7 @@ class Matchmaker:
                     if leader is not None and leader.peer_id != self.me:
                         lead.dismiss("another peer leads this group")
                         return None
-                wake = min(next_check, started + self.min_matchmaking_time, deadline)
+                wake = min(next_check, started + self._patience, deadline)
                 await wait_event(lead.changed, max(wake - loop.time(), 0))
                 lead.changed.clear()
         finally:

@@ -61,13 +61,32 @@ def settings(n: int, capacity: int, duration: float, seed: int, initial: list[st
     return out
 
 
-def start(name: str, config: dict) -> Child:
-    return Child(name, [*CHILD, json.dumps(config)], env=ONE_THREAD_ENV)
+def trainer_settings(n: int, capacity: int, duration: float, seed: int, initial: list[str], **extra: Any) -> dict:
+    # micro-steps of 4 samples every 0.4, 0.2 or 0.1 s (23 samples a second per peer on average): a
+    # global batch of about 6 s of the swarm's samples; groups of 16, views refreshed every second
+    out = {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
+           "refresh": 1.0, "target": int(capacity * 140), "tick": 0.4, "group_size": 16,
+           "averaging_timeout": 20.0, "duration": duration, "warmup": min(8.0, duration / 3), **extra}
+    out.pop("flat", None)
+    return out
 
 
-def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = False) -> dict:
+PARTS = {"swarm": (CHILD, settings), "training": ([sys.executable, "-m", "benchmarks._scale_trainers"],
+                                                  trainer_settings)}
+
+
+def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = False, part: str = "swarm") -> dict:
     """One run of ``n`` peers; its figures, or why it failed.  ``flat``: every record under one key,
-    as every run had before the progress tree (the layout sized for 16 peers)."""
+    as every run had before the progress tree (the layout sized for 16 peers).  ``part``: ``swarm``
+    (progress views alone) or ``training`` (real collaborative peers)."""
+    argv, settings = PARTS[part]
+
+    logs = os.environ.get("SPOTSWARM_SCALE_LOGS")  # a folder: each child's log there, its peers' INFO lines too
+
+    def start(name: str, config: dict) -> Child:
+        return Child(name, [*argv, json.dumps(config)], env=ONE_THREAD_ENV,
+                     log_path=os.path.join(logs, f"{part}{n}-{name}.log") if logs else None)
+
     deadline = time.monotonic() + limit_s
     victim_n = max(1, round(n * 0.05)) if churn else 0
     rest = n - victim_n
@@ -94,7 +113,8 @@ def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = Fal
         if victim:
             time.sleep(max(t0 + duration / 2 - time.time(), 0.0))  # the trace's moment of the kill
             victim.kill()  # SIGKILL of the whole process: its peers vanish mid-call
-            replacement = start("replacement", settings(victim_n, n, duration / 2 - 1, 98, initial, flat=flat))
+            late = {"newcomers": True, "warmup": 0.0} if part == "training" else {}  # they load the state
+            replacement = start("replacement", settings(victim_n, n, duration / 2 - 1, 98, initial, flat=flat, **late))
             children.append(replacement)
             replacement.recv("ready", deadline)
             replacement.send(f"go {time.time()}")
@@ -108,7 +128,7 @@ def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = Fal
         return {"error": str(e)}
     finally:
         stop_all(children, grace=5.0)
-    return figures(n, results)
+    return figures(n, results) if part == "swarm" else training_figures(results)
 
 
 def figures(n: int, results: list[dict]) -> dict:
@@ -146,6 +166,59 @@ def figures(n: int, results: list[dict]) -> dict:
     }
 
 
+def training_figures(results: list[dict]) -> dict:
+    """The training part's figures: epoch time, control plane per peer and epoch, parameter spread."""
+    peers = sum(r["peers"] for r in results)
+    peer_epochs = sum(r["peer_epochs"] for r in results) or 1
+    seconds = max(r["seconds"] for r in results)
+    msgs, nbytes = sum(r["messages"] for r in results), sum(r["bytes"] for r in results)
+    firsts: dict[int, float] = {}
+    for r in results:
+        for epoch, when in r["steps"]:
+            firsts[epoch] = min(when, firsts.get(epoch, when))
+    epochs = sorted(firsts)
+    durations = [firsts[b] - firsts[a] for a, b in zip(epochs, epochs[1:], strict=False) if b == a + 1]
+    by_epoch: dict[str, list[list[float]]] = {}
+    for r in results:
+        for stepped in r["stepped"]:
+            for epoch, params in stepped.items():
+                by_epoch.setdefault(epoch, []).append(params)
+    spreads = [_spread(p) for p in by_epoch.values()]
+    return {
+        "peers": peers, "epochs": len(epochs), "epoch_s": statistics.median(durations) if durations else None,
+        "stepped_per_epoch": statistics.median(len(p) for p in by_epoch.values()) if by_epoch else 0,
+        "loaded": sum(r["loaded"] for r in results),
+        "control_msgs_per_peer_epoch": msgs / peer_epochs, "control_bytes_per_peer_epoch": nbytes / peer_epochs,
+        "control_msgs_per_peer_s": msgs / peers / seconds, "control_bytes_per_peer_s": nbytes / peers / seconds,
+        "cpu_s_per_peer_s": sum(r["cpu_s"] for r in results) / peers / seconds,
+        "mem_mb_per_peer": sum(r["rss"] for r in results) / peers / 2**20,
+        "param_spread": max(spreads, default=None),
+        "violations": sum(s > 0 for s in spreads) + sum(r["stuck"] for r in results),
+        "errors": [e for r in results for e in r["errors"]][:3],
+    }
+
+
+def _spread(params: list[list[float]]) -> float:
+    """max_i ||theta_i - mean|| / ||mean|| over the peers that stepped to one epoch."""
+    mean = [sum(col) / len(col) for col in zip(*params, strict=True)]
+    norm = math.sqrt(sum(v * v for v in mean)) or 1.0
+    return max(math.sqrt(sum((a - b) ** 2 for a, b in zip(p, mean, strict=True))) for p in params) / norm
+
+
+def print_training(trained: dict[int, dict]) -> None:
+    if not trained:
+        return
+    cells = [("peers", "d"), ("epochs", "d"), ("epoch_s", ".2f"), ("stepped_per_epoch", ".0f"), ("loaded", "d"),
+             ("control_msgs_per_peer_epoch", ".0f"), ("control_bytes_per_peer_epoch", ".0f"),
+             ("cpu_s_per_peer_s", ".3f"), ("mem_mb_per_peer", ".1f"), ("param_spread", ".1e"), ("violations", "d")]
+    rows = [(n, *(fmt(f.get(key), spec) for key, spec in cells), f.get("error", "") or "; ".join(f.get("errors", [])))
+            for n, f in trained.items()]
+    print("training: real collaborative peers (groups of 16), under churn")
+    print_table([">6"] + [">13"] * len(cells),
+                ["N", "peers", "epochs", "epoch s", "stepped/ep", "loaded", "ctl msgs/ep", "ctl bytes/ep",
+                 "cpu s/s/peer", "MB/peer", "param spread", "violations"], rows, rule=True)
+
+
 def optional_part(module: str, kwargs: dict) -> dict:
     """A part that lives in its own module, if that module exists here."""
     try:
@@ -161,18 +234,30 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="comma-separated N (default 16,64,256)")
     parser.add_argument("--duration", type=float, default=None, help="seconds each swarm trains")
     parser.add_argument("--flat", action="store_true", help="every progress record under one key (the old layout)")
-    parser.add_argument("--parts", default=None, help="swarm,orchestrator,moe (quick: swarm,orchestrator)")
+    parser.add_argument("--parts", default=None,
+                        help="swarm,training,orchestrator,moe (quick: swarm,training,orchestrator)")
+    parser.add_argument("--training-sizes", default=None, help="N of the training part (default: --sizes; quick: 16)")
+    parser.add_argument("--training-duration", type=float, default=None, help="seconds each training swarm trains")
     args = parser.parse_args()
     exit_on_sigterm()
     sizes = [int(x) for x in (args.sizes or ("16,64" if args.quick else "16,64,256")).split(",")]
     duration = args.duration or (6.0 if args.quick else 40.0)
-    parts = set((args.parts or ("swarm,orchestrator" if args.quick else "swarm,orchestrator,moe")).split(","))
+    parts = set((args.parts or ("swarm,training,orchestrator" if args.quick else
+                                "swarm,training,orchestrator,moe")).split(","))
+    training_sizes = [int(x) for x in (args.training_sizes or ("16" if args.quick else ",".join(map(str, sizes))))
+                      .split(",")]
+    training_duration = args.training_duration or (14.0 if args.quick else 60.0)
     out: dict = {"sizes": sizes}
     by_n: dict[int, dict] = {}
+    trained: dict[int, dict] = {}
     try:
         if "swarm" in parts:
             for n in sizes:
                 by_n[n] = guarded(f"swarm_{n}", swarm, n, duration, True, duration + 90 + n / 2, args.flat)
+        if "training" in parts:
+            for n in training_sizes:
+                trained[n] = guarded(f"training_{n}", swarm, n, training_duration, True,
+                                     training_duration + 120 + n, False, "training")
         if "orchestrator" in parts:
             kwargs = {"instances": 1000, "sample_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick}
             out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", kwargs)
@@ -188,6 +273,8 @@ def main() -> None:
                 ["N", "peers", "epochs", "epoch s", "seen lag s", "msgs/refr", "bytes/refr", "refr/peer/s",
                  "cpu s/s/peer", "MB/peer", "violations"], rows, rule=True)
     out["swarm"] = by_n
+    print_training(trained)
+    out["training"] = trained
     small, large = by_n.get(16, {}), by_n.get(max(sizes), {})
     if "msgs_per_refresh" in small and "msgs_per_refresh" in large:
         out[f"control_msgs_per_peer_ratio_{max(sizes)}_16"] = large["msgs_per_refresh"] / small["msgs_per_refresh"]
@@ -201,7 +288,16 @@ def main() -> None:
     for key in ("moe_beam_search_ratio_1024_64", "moe_kmin_fraction_churn"):
         if key in out.get("moe", {}):
             out[key] = out["moe"][key]
-    out["param_spread_256"] = None  # needs grouped DeDLOC averaging, not built yet
+    top = max(trained, default=None)
+    if top is not None:
+        out[f"param_spread_{top}"] = trained[top].get("param_spread")
+        out["churn_invariant_violations"] += sum(f.get("violations", 0) for f in trained.values())
+        out["training_peers_max"] = max(f.get("peers", 0) for f in trained.values())
+        base = trained.get(16, {})
+        if top != 16 and "control_msgs_per_peer_epoch" in base and "control_msgs_per_peer_epoch" in trained[top]:
+            for kind in ("msgs", "bytes"):
+                key = f"control_{kind}_per_peer_epoch"
+                out[f"training_control_{kind}_per_peer_ratio_{top}_16"] = trained[top][key] / base[key]
     for name, part in (("orchestrator", orchestrator), ("moe", out.get("moe", {}))):
         print(f"{name}: " + ", ".join(f"{k} {fmt(v, '.3f') if isinstance(v, float) else v}"
                                       for k, v in part.items()))

@@ -8,6 +8,7 @@ async themselves run code on the node's loop with ``run_coroutine``.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -27,11 +28,14 @@ class DHT(BlockingFace):
 
     ``DHT(initial_peers=["host:port"], client_mode=False, validators=[...])``; keyword options are
     those of :meth:`DHTNode.create` (host, port, identity, num_replicas, rpc_timeout, ...).
+    ``loop``: run the node on this event loop (running in another thread) instead of a thread of its
+    own, so that many peers of one process share one loop (a swarm simulated in few processes).
     """
 
     def __init__(self, initial_peers: Sequence[str | PeerAddress] = (), *, client_mode: bool = False,
-                 validators: Sequence[Any] = (), startup_timeout: float = 60.0, **options: Any) -> None:
-        super().__init__(thread_name="spotswarm-dht")
+                 validators: Sequence[Any] = (), startup_timeout: float = 60.0,
+                 loop: asyncio.AbstractEventLoop | None = None, **options: Any) -> None:
+        super().__init__(loop, thread_name="spotswarm-dht")
         self.node: DHTNode = self._start(
             DHTNode.create(initial_peers, client_mode=client_mode, validators=validators, **options), startup_timeout)
 
@@ -87,6 +91,11 @@ class DHT(BlockingFace):
 
     def _call(self, coro: Any, return_future: bool) -> Any:
         return self.submit(coro) if return_future else self.run(coro)
+
+    def shutdown(self) -> None:
+        if not self._closed and self._thread is None:  # on a borrowed loop the node is still ours to close
+            self.run(self._aclose(), self.shutdown_timeout)
+        super().shutdown()
 
     async def _aclose(self) -> None:
         await self.node.shutdown()

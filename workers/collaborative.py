@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from averaging import Codec, DecentralizedAverager, StepResult
+from averaging import Codec, DecentralizedAverager, GroupPlan, average_in_groups
 from dht import DHT, DHTNode, SignatureValidator
 from p2p import P2PError, PeerID
 
@@ -57,6 +57,16 @@ class EpochReport:
 
 
 @dataclass
+class _Averaged:
+    """What this epoch's averaging gave us: whether we hold everyone's mean, with how many peers."""
+
+    complete: bool
+    group_size: int
+    group_id: str | None = None
+    why: str = ""  # why not complete, as the log line's tail
+
+
+@dataclass
 class _Beats:
     """When a periodic task last ran, and the longest wait between two of its runs."""
 
@@ -73,7 +83,8 @@ class CollaborativeOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, target_batch_size: int, *,
                  scheduler: Any = None, compression: str | Codec = Codec.NONE, min_matchmaking_time: float = 2.0,
                  averaging_timeout: float = 30.0, report_interval: float = 0.1, load_state_on_start: bool = True,
-                 max_group_size: int = 256, bandwidth: float | None = None, swarm_size: int = 16) -> None:
+                 max_group_size: int = 256, bandwidth: float | None = None, swarm_size: int = 16,
+                 view_interval: float = 0.1) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dht = dht
@@ -112,7 +123,8 @@ class CollaborativeOptimizer:
                                              allreduce_timeout=averaging_timeout, compression=compression,
                                              bandwidth=bandwidth)
             layout = ProgressLayout(run, capacity=swarm_size)
-            tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout)
+            tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout,
+                                      refresh_interval=view_interval)
             await tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock, layout=layout)
             return averager, tracker, sharer
@@ -234,22 +246,21 @@ class CollaborativeOptimizer:
         if alone and (answering := self._stale_peers_answering()):
             alone, live = False, 1 + answering
         if alone:
-            result = StepResult(group_size=1)
+            result = _Averaged(complete=True, group_size=1)
         else:
-            if live > self.max_group_size:
-                logger.warning("epoch %d: %d live peers but groups hold at most %d: the groups will step apart; "
-                               "raise group_size", self.epoch, live, self.max_group_size)
             # wait for every live peer, including one whose record still shows the previous epoch
             # (it is about to report this one); the matchmaking time bounds the wait for a dead one
             result, stood_still = self._call(lambda n: self._average(live))
+            # a round that took longer than a record stays fresh is no absence: the watcher kept our
+            # record fresh and measured any real one (stood_still); the next step must not rejoin for it
+            self._last_step_time = time.monotonic()
         if not alone and (not result.complete or stood_still > self.tracker.fresh_for):
             # A part whose reducer vanished mid-round holds our own values, not the group's: stepping on
             # it would give us other parameters than the peers that got it back, at the same epoch.
             # Back from standing still mid-round, we may be the only one that got every part back (the
             # others gave up on ours): stepping, we would hold an epoch nobody shares, while they retry
             # it without us.  Either way the peers that did step are the ones to load from.
-            why = (f" (stood still for {stood_still:.1f} s)" if result.complete else
-                   f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "")
+            why = f" (stood still for {stood_still:.1f} s)" if result.complete else result.why
             logger.info("epoch %d: could not average with the other %d live peers%s; will load their state",
                         self.epoch, live - 1, why)
             self._restore_accumulated()
@@ -299,23 +310,35 @@ class CollaborativeOptimizer:
         self._answering = count
         return count
 
-    async def _average(self, live_peers: int) -> tuple[StepResult, float]:
-        """All-reduce this epoch's gradients; give up matchmaking as soon as the others have moved on
-        without us (we then load their state) instead of waiting out the matchmaking time alone.
-        Also returns the longest time this process stood still meanwhile (seen as a gap in the
-        watcher's beats: a paused process cannot see its pause otherwise)."""
+    async def _average(self, live_peers: int) -> tuple[_Averaged, float]:
+        """All-reduce this epoch's gradients: in one group, or, with more live peers than a group
+        holds, in groups of groups (``averaging/grouped.py``) planned over the peers at our epoch.
+        Give up matchmaking as soon as the others have moved on without us (we then load their state)
+        instead of waiting out the matchmaking time alone.  Also returns the longest time this process
+        stood still meanwhile (seen as a gap in the watcher's beats: a paused process cannot see its
+        pause otherwise)."""
         abort = asyncio.Event()
         beats = _Beats(time.monotonic())
         watcher = asyncio.create_task(self._watch_epoch(abort, beats))
+        weight, key = float(self.local_samples), f"e{self.epoch}"
         try:
-            result = await self.averager.step(weight=float(self.local_samples), timeout=self.averaging_timeout,
-                                              group_key=f"e{self.epoch}", target_group_size=live_peers,
-                                              abort=abort)
+            plan = None
+            if live_peers > self.max_group_size:
+                plan = GroupPlan.of([*await self.tracker.members(self.epoch), self.dht.peer_id], self.max_group_size)
+            if plan is not None and len(plan.members) > self.max_group_size:
+                grouped = await average_in_groups(self.averager, plan, weight, key, self.averaging_timeout, abort)
+                outcome = _Averaged(grouped.complete, len(plan.members), grouped.levels[-1].group_id,
+                                    f" ({grouped.reason})" if grouped.reason else "")
+            else:
+                result = await self.averager.step(weight=weight, timeout=self.averaging_timeout, group_key=key,
+                                                  target_group_size=live_peers, abort=abort)
+                outcome = _Averaged(result.complete, result.group_size, result.group_id,
+                                    f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "")
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         beats.beat()
-        return result, beats.longest_gap
+        return outcome, beats.longest_gap
 
     async def _watch_epoch(self, moved_on: asyncio.Event, beats: _Beats) -> None:
         """Set ``moved_on`` once the others are past our epoch.  Meanwhile keep our record fresh: a

@@ -140,6 +140,21 @@ class ProgressTracker:
         records, _, rest = await self._read_records()
         return self._summarize(records, rest)
 
+    async def members(self, epoch: int) -> list[PeerID]:
+        """The peers whose fresh records report ``epoch``, us included: whom a grouped average plans
+        for.  A one-key run's view holds every record already; a larger run reads every leaf once, a
+        cost of O(N) bytes per peer per global epoch (``docs/protocol.md``), against O(1) per refresh."""
+        if self.layout.depth > 1:
+            reads = await asyncio.gather(*(self._read_key(self.layout.key(path)) for path in self.layout.all_leaves()))
+            records = {k: p for read in reads for k, p in read.records.items()}
+        else:
+            records = dict(self._seen)
+        if self.last_report is not None and not self.observer:
+            records[self.subkey] = self.last_report
+        now = self.now()
+        peers = {self.peer_of(k) for k, p in records.items() if p.epoch == epoch and now - p.time <= self.fresh_for}
+        return [p for p in peers if p is not None]
+
     @staticmethod
     def peer_of(subkey: str) -> PeerID | None:
         """The peer a record's subkey (``<owner marker><peer id>``) names, if the key that signs it is

@@ -39,7 +39,8 @@ class WorkerConfig(pydantic.BaseModel):
                                              description="Mbit/s to declare for load balancing (default: measured)")
     moshpit_grid: list[int] = pydantic.Field([2, 2], description="Moshpit grid (mode moshpit)")
     group_size: int = pydantic.Field(
-        16, ge=2, description="moshpit: the largest averaging group (also at most max(moshpit_grid))")
+        16, ge=2, description="the largest averaging group: collaborative runs with more live peers average in "
+        "groups of groups (averaging/grouped.py); moshpit: also at most max(moshpit_grid)")
     averaging_period: int = pydantic.Field(10, gt=0, description="local steps between Moshpit averaging rounds")
     max_epochs: int | None = pydantic.Field(None, gt=0, description="stop after this many global epochs")
     max_seconds: float | None = pydantic.Field(None, gt=0, description="stop after this many seconds")

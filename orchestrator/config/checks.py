@@ -52,13 +52,6 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
         out.extend(aws_config_problems(config))
     if config.provider.type == "gcp":
         out.extend(gcp_config_problems(config))
-    fleet = config.max_trainers()  # expert servers do not average
-    if config.training.averaging == "collaborative" and fleet > config.training.group_size:
-        # a run larger than group_size is refused: two groups in one epoch would step to different parameters
-        out.append((("training", "group_size"),
-                    f"{config.training.group_size} is less than the fleet's largest size, {fleet} trainers (the "
-                    "sum of their max_workers): collaborative averaging needs every live peer in one group; raise "
-                    "group_size or use averaging: moshpit"))
     if config.training.device == "cuda":
         gpu_less = [name for name, nt in config.fleet_types().items() if nt.resources.get("GPU", 0) < 1]
         if gpu_less:

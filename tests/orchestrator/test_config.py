@@ -288,13 +288,11 @@ def test_group_size_is_a_worker_flag():
         FLAGS.load(None, {"group_size": 1})
 
 
-def test_a_collaborative_fleet_larger_than_a_group_is_an_error(tmp_path):
+def test_a_collaborative_fleet_larger_than_a_group_averages_in_groups_of_that_size(tmp_path):
     path = write(tmp_path, GOOD.replace("max_workers: 2", "max_workers: 5").replace(
         "  task: synthetic", "  task: synthetic\n  group_size: 4"))
-    [error] = errors_of(path)
-    assert error.startswith(f"{path}:10: training.group_size: 4 is less than the fleet's largest size, 5 trainers")
-    moshpit = path.read_text().replace("  task: synthetic", "  task: synthetic\n  averaging: moshpit")
-    assert load_cluster_config(write(tmp_path, moshpit)).training.group_size == 4
+    config = load_cluster_config(path)  # no error: the group size is a group's, not the run's
+    assert config.max_trainers() == 5 and config.worker_config(["127.0.0.1:1"]).group_size == 4
 
 
 # ---- the command line: validate, bootstrap-script, --address ---------------------------------

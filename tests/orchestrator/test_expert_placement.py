@@ -109,11 +109,3 @@ def test_a_moe_run_config_gives_trainers_the_grid_and_servers_their_share():
 def test_a_moe_config_that_cannot_run_is_refused_naming_why(change, message):
     with pytest.raises(ValueError, match=message):
         ClusterConfig.model_validate(moe_cluster(**change))
-
-
-def test_collaborative_group_size_counts_trainers_only():
-    from orchestrator.config.checks import config_problems
-
-    data = moe_cluster()
-    data["training"] = {"task": "moe-charlm", "group_size": 2}
-    assert not config_problems(ClusterConfig.model_validate(data))  # 3 expert servers do not average
