@@ -177,7 +177,8 @@ class DecentralizedAverager:
         Raises ShapeMismatch if the group's tensors differ from ours.  Setting ``abort`` gives up
         matchmaking (e.g. the others have moved on without us); a round once started runs to its end.
         ``target_group_size`` and ``min_group_size`` override the averager's for this step, and
-        ``patience`` how long a leader waits for a full group (``Matchmaker.form_group``).
+        ``patience`` how long a leader waits for a full group (``Matchmaker.form_group``); matchmaking
+        then lasts up to ``max(min_matchmaking_time, patience) + 2 * request_timeout``.
         """
         try:
             weight = float(weight)
@@ -201,7 +202,8 @@ class DecentralizedAverager:
         self.phase = "matchmaking"
         if self.meter is not None:
             self.matchmaker.declare_bandwidth(self.meter.estimate)
-        mm_budget = self.min_matchmaking_time + 2 * self.request_timeout
+        # a leader waits for a full group up to ``patience`` (min_matchmaking_time by default), followers for it
+        mm_budget = max(self.min_matchmaking_time, patience or 0.0) + 2 * self.request_timeout
         total = timeout if timeout is not None else mm_budget + self.allreduce_timeout
         deadline = started + total
         checking = loop.run_in_executor(self._checker, all_finite, self.flat.flat)

@@ -1,9 +1,9 @@
 """An exact average over more peers than one group holds: groups of groups, and the result back down.
 
-``GroupPlan`` splits a swarm's sorted member list into balanced groups of at most ``group_size``
-(level 0), those groups into groups of at most ``group_size`` again (level 1), and so on until one
-group remains: the top.  Each group meets under its own key (``<key>.<level>.<index>``; the top
-under ``<key>`` itself), so the keys change from round to round as in Moshpit All-Reduce.  A group
+``GroupPlan`` splits a swarm's sorted member list into runs of ``group_size`` (level 0), those
+groups into runs of ``group_size`` groups (level 1), and so on until one group remains: the top.
+Each group meets under its own key (``<key>.<level>.<index>``; the top under ``<key>`` itself), so
+the keys change from round to round as in Moshpit All-Reduce.  A group
 averages its members' values weighted by their weights; its representative (the member with the
 smallest id) takes the group's average one level up, weighted by the group's total weight; the top's
 members then hold the weighted mean over everyone, with the same bits.  On the way back each
@@ -74,16 +74,13 @@ class GroupPlan:
         return self.members.index(peer)
 
     def group_of(self, unit: int, count: int) -> int:
-        """The group of unit ``unit`` of ``count``: balanced groups, sizes differing by at most one."""
-        groups = math.ceil(count / self.group_size)
-        small, bigger = divmod(count, groups)
-        cut = bigger * (small + 1)  # the first ``bigger`` groups have one more unit
-        return unit // (small + 1) if unit < cut else bigger + (unit - cut) // small
+        """The group of unit ``unit`` of ``count``: consecutive runs of ``group_size`` units.  Fixed runs
+        rather than balanced sizes, so that two members whose lists differ by a peer disagree only
+        about the units at the runs' edges, not about every group after the difference's size."""
+        return unit // self.group_size
 
     def size_of(self, group: int, count: int) -> int:
-        groups = math.ceil(count / self.group_size)
-        small, bigger = divmod(count, groups)
-        return small + 1 if group < bigger else small
+        return min(self.group_size, count - group * self.group_size)
 
 
 @dataclass
@@ -143,7 +140,7 @@ async def average_in_groups(averager: DecentralizedAverager, plan: GroupPlan, we
         quorum = quorum_of(target)
         step = await averager.step(weight, timeout=max(deadline - loop.time(), 1e-3), group_key=group_key,
                                    target_group_size=target, abort=abort, min_group_size=quorum,
-                                   patience=math.inf)  # a planned group waits for all, to its deadline
+                                   patience=_patience(averager, level))
         result.levels.append(step)
         logger.debug("%s: level %d group %s of %d planned: %d members (matchmaking %.2f s, round %.2f s)",
                      group_key, level, group, target, step.group_size, step.matchmaking_time, step.allreduce_time)
@@ -186,6 +183,14 @@ def quorum_of(planned: int) -> int:
     late ones meeting after their group closed must not count as a second group, least of all at the
     top, where two groups of one epoch would step to different parameters."""
     return planned // 2 + 1
+
+
+def _patience(averager: DecentralizedAverager, level: int) -> float:
+    """How long a level's leader waits for its whole planned group: members of level 0 come as their
+    views see the batch complete; those of a level above come once their groups below formed, each of
+    which may have waited its own whole time for a member that never came."""
+    whole = averager.min_matchmaking_time + 2 * averager.request_timeout  # one level's matchmaking at most
+    return (level + 1) * whole - 2 * averager.request_timeout
 
 
 def _representative(step: StepResult) -> int:

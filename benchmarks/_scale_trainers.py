@@ -70,7 +70,8 @@ def make_trainer(settings: dict, initial: list[str], loop, rng: random.Random, n
     opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), dht, RUN, settings["target"],
                                  max_group_size=settings["group_size"], swarm_size=settings["capacity"],
                                  min_matchmaking_time=1.0, averaging_timeout=settings["averaging_timeout"],
-                                 report_interval=1.0, view_interval=settings["refresh"],
+                                 report_interval=settings["report"], view_interval=settings["refresh"],
+                                 fresh_for=settings["fresh_for"],
                                  load_state_on_start=newcomer)
     tick = settings["tick"] / rng.choice([1.0, 2.0, 4.0])
     return Trainer(dht, opt, model, tick, random.Random(rng.random()))
@@ -170,6 +171,6 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
     if os.environ.get("SPOTSWARM_SCALE_LOGS"):
-        for name in ("workers", "averaging.grouped"):
-            logging.getLogger(name).setLevel(logging.DEBUG if name.startswith("averaging") else logging.INFO)
+        for name in ("workers", "averaging.grouped", "workers.collaborative", "workers.progress"):
+            logging.getLogger(name).setLevel(logging.INFO if name == "workers" else logging.DEBUG)
     main(json.loads(sys.argv[1]))

@@ -7,15 +7,20 @@ progress tree sized for N) in processes of at most 64 peers, one event loop each
 and step their epoch when their view says the global batch is complete.  Churn: one process
 holding about 5% of the peers is SIGKILLed and replaced, and about 5% more are closed without a
 word inside the others and replaced.  Control-plane traffic is counted per view refresh (both
-ends of every DHT call), never per second of a saturated loop.  What this part does not run yet:
-all-reduce, matchmaking and state hand-off (grouped DeDLOC averaging is not built), so parameter
-spread is not measured.
+ends of every DHT call), never per second of a saturated loop.
+
+Training part: N real collaborative peers (``_scale_trainers.py``: DHT, progress tree and roster,
+matchmaking, all-reduce in groups of 16 and groups of groups beyond, state hand-off to newcomers,
+a tiny regression model), many per process on one event loop, compute differing 4x, a tenth in
+client mode, under the same churn.  Counted per peer and global epoch: control-plane messages and
+bytes (DHT calls and matchmaking joins, both ends), and the parameter spread over the peers that
+stepped to each epoch (0 when every one of them holds the same bits).
 
 Orchestrator part: ``_scale_orchestrator.measure`` (a policy tick over 1,000 instances, the store,
 the dashboard and the CLI over 10^6 sample rows).  Mixture-of-experts part: ``_scale_moe.measure``
 when present.
 
-``--quick``: N = 16 and 64, short runs, the orchestrator over 20,000 sample rows, no
+``--quick``: N = 16 and 64 (training: 16), short runs, the orchestrator over 20,000 sample rows, no
 mixture-of-experts part (``_scale_moe.py --quick`` runs it alone in about a minute); under 60 s.
 """
 
@@ -62,11 +67,13 @@ def settings(n: int, capacity: int, duration: float, seed: int, initial: list[st
 
 
 def trainer_settings(n: int, capacity: int, duration: float, seed: int, initial: list[str], **extra: Any) -> dict:
-    # micro-steps of 4 samples every 0.4, 0.2 or 0.1 s (23 samples a second per peer on average): a
-    # global batch of about 6 s of the swarm's samples; groups of 16, views refreshed every second
+    # micro-steps of 4 samples every 1.2, 0.6 or 0.3 s (7.8 samples a second per peer on average): a
+    # global batch of about 8 s of the swarm's samples; groups of 16; reports and views every 3 s, and
+    # records fresh for 15 s (two cores hold 256 such peers only at this pace)
     out = {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
-           "refresh": 1.0, "target": int(capacity * 140), "tick": 0.4, "group_size": 16,
-           "averaging_timeout": 20.0, "duration": duration, "warmup": min(8.0, duration / 3), **extra}
+           "refresh": 3.0, "report": 3.0, "fresh_for": 15.0, "target": int(capacity * 62), "tick": 1.2,
+           "group_size": 16, "averaging_timeout": 30.0, "duration": duration, "warmup": min(10.0, duration / 3),
+           **extra}
     out.pop("flat", None)
     return out
 

@@ -80,11 +80,19 @@ class _Beats:
 
 
 class CollaborativeOptimizer:
+    """Wraps ``optimizer``; call ``step(batch_size, loss)`` after each ``loss.backward()``.
+
+    ``max_group_size``: the largest averaging group (with more live peers, groups of groups);
+    ``swarm_size``: the most peers the run expects (sizes the tree of progress keys); ``view_interval``:
+    seconds between reads of the swarm's progress; ``report_interval``: between our reports;
+    ``fresh_for``: how old a peer's record may be before it counts as gone (a swarm on loaded
+    machines, whose reports come late, needs more)."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, target_batch_size: int, *,
                  scheduler: Any = None, compression: str | Codec = Codec.NONE, min_matchmaking_time: float = 2.0,
                  averaging_timeout: float = 30.0, report_interval: float = 0.1, load_state_on_start: bool = True,
                  max_group_size: int = 256, bandwidth: float | None = None, swarm_size: int = 16,
-                 view_interval: float = 0.1) -> None:
+                 view_interval: float = 0.1, fresh_for: float = 5.0) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dht = dht
@@ -123,8 +131,9 @@ class CollaborativeOptimizer:
                                              allreduce_timeout=averaging_timeout, compression=compression,
                                              bandwidth=bandwidth)
             layout = ProgressLayout(run, capacity=swarm_size)
-            tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout,
-                                      refresh_interval=view_interval)
+            tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout, fresh_for=fresh_for,
+                                      expiration=max(30.0, 6 * fresh_for), refresh_interval=view_interval,
+                                      roster=swarm_size > max_group_size)
             await tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock, layout=layout)
             return averager, tracker, sharer
@@ -251,9 +260,11 @@ class CollaborativeOptimizer:
             # wait for every live peer, including one whose record still shows the previous epoch
             # (it is about to report this one); the matchmaking time bounds the wait for a dead one
             result, stood_still = self._call(lambda n: self._average(live))
-            # a round that took longer than a record stays fresh is no absence: the watcher kept our
-            # record fresh and measured any real one (stood_still); the next step must not rejoin for it
-            self._last_step_time = time.monotonic()
+            if stood_still <= self.tracker.fresh_for:
+                # a round that took longer than a record stays fresh is no absence: the watcher kept our
+                # record fresh and saw no pause, so the next step must not rejoin for it (after a real
+                # pause it must: the others' records we hold are as old as the pause)
+                self._last_step_time = time.monotonic()
         if not alone and (not result.complete or stood_still > self.tracker.fresh_for):
             # A part whose reducer vanished mid-round holds our own values, not the group's: stepping on
             # it would give us other parameters than the peers that got it back, at the same epoch.
@@ -322,13 +333,18 @@ class CollaborativeOptimizer:
         watcher = asyncio.create_task(self._watch_epoch(abort, beats))
         weight, key = float(self.local_samples), f"e{self.epoch}"
         try:
-            plan = None
             if live_peers > self.max_group_size:
-                plan = GroupPlan.of([*await self.tracker.members(self.epoch), self.dht.peer_id], self.max_group_size)
-            if plan is not None and len(plan.members) > self.max_group_size:
-                grouped = await average_in_groups(self.averager, plan, weight, key, self.averaging_timeout, abort)
-                outcome = _Averaged(grouped.complete, len(plan.members), grouped.levels[-1].group_id,
-                                    f" ({grouped.reason})" if grouped.reason else "")
+                plan = GroupPlan.of([*self.tracker.members(self.epoch), self.dht.peer_id], self.max_group_size)
+                if len(plan.members) <= live_peers // 2:
+                    # a roster that holds too few of the live peers would plan a swarm of its own: its top
+                    # could count as the epoch's next to the others'.  Wait for the roster instead.
+                    outcome = _Averaged(False, 1, why=f" (our roster holds {len(plan.members)} of the {live_peers} "
+                                        "live peers)")
+                else:
+                    grouped = await average_in_groups(self.averager, plan, weight, key, self.averaging_timeout,
+                                                      abort)
+                    outcome = _Averaged(grouped.complete, len(plan.members), grouped.levels[-1].group_id,
+                                        f" ({grouped.reason})" if grouped.reason else "")
             else:
                 result = await self.averager.step(weight=weight, timeout=self.averaging_timeout, group_key=key,
                                                   target_group_size=live_peers, abort=abort)

@@ -76,7 +76,7 @@ class ProgressTracker:
 
     def __init__(self, node: DHTNode, run: str, target_batch_size: int, signer: SignatureValidator,
                  expiration: float = 30.0, fresh_for: float = 5.0, refresh_interval: float = 0.1,
-                 layout: ProgressLayout | None = None, observer: bool = False) -> None:
+                 layout: ProgressLayout | None = None, observer: bool = False, roster: bool = False) -> None:
         self.node = node
         self.layout = layout or ProgressLayout(run)
         if self.layout.run != run:
@@ -92,6 +92,12 @@ class ProgressTracker:
         self.refresh_interval = refresh_interval
         self.refreshes = 0  # reads of the swarm done so far: the unit a view's cost is counted in
         self._seen: dict[str, PeerProgress] = {}  # the background view's last read of our leaf's records
+        # every other leaf's records, read a few leaves per refresh (``members``), where ``roster`` is on
+        self.roster = roster and self.layout.depth > 1 and not observer
+        self._roster: dict[tuple[int, ...], dict[str, PeerProgress]] = {}
+        self._roster_clock: float | None = None  # loop time of the last roster read
+        self._roster_owed = 0.0  # leaves due to be read, carried from one refresh to the next
+        self._roster_next = 0  # the next leaf to read
         self._rest: ProgressSummary | None = None  # everyone outside our leaf, as its aggregators last summed it
         self._replicas = ReplicaSets(node)
         self._unpublished: PeerProgress | None = None
@@ -140,20 +146,44 @@ class ProgressTracker:
         records, _, rest = await self._read_records()
         return self._summarize(records, rest)
 
-    async def members(self, epoch: int) -> list[PeerID]:
-        """The peers whose fresh records report ``epoch``, us included: whom a grouped average plans
-        for.  A one-key run's view holds every record already; a larger run reads every leaf once, a
-        cost of O(N) bytes per peer per global epoch (``docs/protocol.md``), against O(1) per refresh."""
-        if self.layout.depth > 1:
-            reads = await asyncio.gather(*(self._read_key(self.layout.key(path)) for path in self.layout.all_leaves()))
-            records = {k: p for read in reads for k, p in read.records.items()}
-        else:
-            records = dict(self._seen)
+    def members(self, epoch: int) -> list[PeerID]:
+        """The peers a grouped average at ``epoch`` plans for, us included (no network): those whose
+        record, fresh within two freshness periods, shows ``epoch`` or the one before (a peer that
+        just stepped may not have reported it yet).  A one-key run's view holds every record; a larger
+        run's roster (``roster=True``) reads every leaf once per ``fresh_for`` seconds, a few leaves per
+        refresh: O(N) bytes per peer per ``fresh_for``, against O(1) for its view (``docs/protocol.md``)."""
+        records = {k: p for leaf in self._roster.values() for k, p in leaf.items()}
+        records.update(self._seen)
         if self.last_report is not None and not self.observer:
             records[self.subkey] = self.last_report
         now = self.now()
-        peers = {self.peer_of(k) for k, p in records.items() if p.epoch == epoch and now - p.time <= self.fresh_for}
+        peers = {self.peer_of(k) for k, p in records.items()
+                 if p.epoch >= epoch - 1 and now - p.time <= 2 * self.fresh_for}
         return [p for p in peers if p is not None]
+
+    async def _refresh_roster(self) -> None:
+        """Read the leaves owed since the last refresh, round-robin, so that each is read once per
+        ``fresh_for`` seconds; all of them on the first call."""
+        leaves = [path for path in self.layout.all_leaves() if path != self.path]
+        if not leaves:
+            return
+        clock = asyncio.get_running_loop().time()
+        if self._roster_clock is None:
+            owed = float(len(leaves))
+        else:
+            owed = self._roster_owed + len(leaves) * (clock - self._roster_clock) / self.fresh_for
+        self._roster_clock = clock
+        count = min(int(owed), len(leaves))
+        self._roster_owed = owed - count
+        paths = [leaves[(self._roster_next + i) % len(leaves)] for i in range(count)]
+        self._roster_next = (self._roster_next + count) % len(leaves)
+        reads = await asyncio.gather(*(self._read_key(self.layout.key(path)) for path in paths))
+        cutoff = self.now() - self.expiration
+        for path, read in zip(paths, reads, strict=True):
+            # a leaf missing from one read keeps its records until they would have expired (see _refresh)
+            kept = {k: p for k, p in self._roster.get(path, {}).items()
+                    if k not in read.withdrawn and k not in read.records and p.time >= cutoff}
+            self._roster[path] = {**kept, **read.records}
 
     @staticmethod
     def peer_of(subkey: str) -> PeerID | None:
@@ -226,6 +256,8 @@ class ProgressTracker:
             self._rest = rest
         if self.layout.depth > 1 and not self.observer:
             await self._aggregate()
+        if self.roster:
+            await self._refresh_roster()
         self.refreshes += 1
 
     async def _aggregate(self) -> None:

@@ -77,8 +77,9 @@ def declaring(averager: DecentralizedAverager, weight: Any) -> None:
     """The attacker's own matchmaker declares ``weight`` to the group, whatever its step was given."""
     form_group = averager.matchmaker.form_group
 
-    async def lying(group_key: str, deadline: float, target: int | None = None, _weight: float = 1.0) -> Any:
-        return await form_group(group_key, deadline, target, weight)
+    async def lying(group_key: str, deadline: float, target: int | None = None, _weight: float = 1.0,
+                    *rest: Any) -> Any:
+        return await form_group(group_key, deadline, target, weight, *rest)
 
     averager.matchmaker.form_group = lying  # type: ignore[method-assign]
 

@@ -16,14 +16,14 @@ pytestmark = pytest.mark.timeout(90)
 PEERS, GROUP, SIZE = 9, 3, 257
 
 
-def grouped_epoch(swarm_size: int, wait_for) -> tuple[list[CollaborativeOptimizer], list[torch.Tensor], list[torch.Tensor]]:
+def grouped_epoch(swarm_size: int, wait_for) -> tuple[list[CollaborativeOptimizer], list, list[torch.Tensor]]:
     """Nine peers, each with its own gradient, micro-step until their first global epoch."""
     dhts: list[DHT] = []
     opts: list[CollaborativeOptimizer] = []
     params = [torch.nn.Parameter(torch.zeros(SIZE)) for _ in range(PEERS)]
     gradients = [torch.randn(SIZE, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(PEERS)]
     try:
-        for i in range(PEERS):
+        for _ in range(PEERS):
             identity = Identity()
             dhts.append(DHT(dhts[0].addresses if dhts else [], host="127.0.0.1", identity=identity,
                             validators=[SignatureValidator(identity)]))
@@ -34,8 +34,14 @@ def grouped_epoch(swarm_size: int, wait_for) -> tuple[list[CollaborativeOptimize
                                                load_state_on_start=False, swarm_size=swarm_size))
         # every view holds all nine before anyone steps: a peer whose view misses some plans other groups
         # than theirs (it then averages with fewer, or loads the state of those that stepped)
-        for opt in opts:
-            wait_for(lambda opt=opt: opt.tracker.view().live_peers == PEERS, 30, "every view to hold nine peers")
+        # (and every plan: with a tree of keys, the roster reads the other leaves a few per refresh)
+        def all_seen() -> bool:
+            for opt in opts:
+                opt.keep_alive()  # waiting peers keep their records fresh, as a worker waiting for min_peers does
+            return all(opt.tracker.view().live_peers == PEERS and len(opt.tracker.members(0)) == PEERS
+                       for opt in opts)
+
+        wait_for(all_seen, 30, "every view and plan to hold nine peers")
         stepped = threading.Barrier(PEERS + 1)
 
         def train(i: int) -> None:
@@ -53,7 +59,7 @@ def grouped_epoch(swarm_size: int, wait_for) -> tuple[list[CollaborativeOptimize
         stepped.wait(timeout=80)
         return opts, params, gradients
     finally:
-        for opt, dht in zip(reversed(opts), reversed(dhts[:len(opts)]), strict=True):
+        for opt in reversed(opts):
             opt.prepare_to_leave()
         for dht in dhts:
             dht.shutdown()
