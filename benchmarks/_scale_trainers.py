@@ -100,9 +100,16 @@ def train(t: Trainer, end: float) -> None:
             t.error = f"{type(e).__name__}: {e}"
 
 
-def control_traffic(trainers: list[Trainer]) -> tuple[int, int]:
+def control_traffic(trainers: list[Trainer]) -> tuple[int, int, dict[str, int]]:
+    """Control-plane messages and bytes, both ways, summed over ``trainers``; bytes by method too."""
     totals = [t.dht.node.p2p.traffic.total(CONTROL) for t in trainers]
-    return sum(x.messages for x in totals), sum(x.bytes for x in totals)
+    by_method: dict[str, int] = {}
+    for t in trainers:
+        for method, entry in t.dht.node.p2p.traffic.by_method.items():
+            if method.startswith(CONTROL):
+                name = method.split(".")[1] if method.startswith("dht.") else "matchmaking join"
+                by_method[name] = by_method.get(name, 0) + entry.bytes
+    return sum(x.messages for x in totals), sum(x.bytes for x in totals), by_method
 
 
 def main(settings: dict) -> None:
@@ -143,7 +150,7 @@ def main(settings: dict) -> None:
             threads[-1].start()
     time.sleep(max(window[1] - time.time(), 0.0))
     live = [t for t in trainers if not t.closed]
-    msgs, nbytes = control_traffic(live)
+    msgs, nbytes, by_method = control_traffic(live)
     epochs = sum(t.opt.epoch - epochs0[id(t)] for t in live)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     for th in threads:
@@ -151,7 +158,7 @@ def main(settings: dict) -> None:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * resource.getpagesize()
     emit({"result": {
-        "peers": len(live), "messages": msgs, "bytes": nbytes, "peer_epochs": epochs,
+        "peers": len(live), "messages": msgs, "bytes": nbytes, "bytes_by_method": by_method, "peer_epochs": epochs,
         "seconds": window[1] - window[0],
         "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime), "rss": rss,
         "stepped": [{str(e): p for e, p in t.stepped.items()} for t in trainers],

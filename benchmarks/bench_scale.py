@@ -199,6 +199,9 @@ def training_figures(results: list[dict]) -> dict:
         "control_msgs_per_peer_s": msgs / peers / seconds, "control_bytes_per_peer_s": nbytes / peers / seconds,
         "cpu_s_per_peer_s": sum(r["cpu_s"] for r in results) / peers / seconds,
         "mem_mb_per_peer": sum(r["rss"] for r in results) / peers / 2**20,
+        "control_bytes_per_peer_epoch_by_method": {
+            m: sum(r["bytes_by_method"].get(m, 0) for r in results) / peer_epochs
+            for m in sorted({m for r in results for m in r["bytes_by_method"]})},
         "param_spread": max(spreads, default=None),
         "violations": sum(s > 0 for s in spreads) + sum(r["stuck"] for r in results),
         "errors": [e for r in results for e in r["errors"]][:3],

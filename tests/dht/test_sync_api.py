@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dht import DHT, DHTNode
+from p2p import P2PError
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -74,3 +76,28 @@ def test_cli_bootstrap_node_serves_others_and_stops_cleanly(tmp_path):
     # the key file keeps the peer id across restarts
     from p2p import Identity
     assert address.startswith(str(Identity.from_file(key).peer_id))
+
+
+def test_peers_on_one_borrowed_loop_talk_and_each_shutdown_closes_its_own_node():
+    """Many peers of one process may share one event loop (a swarm simulated in few processes)."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        first = DHT(loop=loop)
+        second = DHT(initial_peers=first.addresses, loop=loop)
+        assert second.store("shared", "loop", time.time() + 60)
+        assert first.get("shared").value == "loop"
+        address = second.addresses[0]
+        second.shutdown()
+        assert first.get("shared").value == "loop"  # the loop, and the other peer on it, carry on
+        with pytest.raises(RuntimeError, match="shut down"):
+            second.get("shared")
+        with pytest.raises(P2PError):  # its node is closed: nobody listens at its address
+            first.run_coroutine(lambda node: node.p2p.connect(address, 2.0))
+        first.shutdown()
+        assert runner.is_alive()  # the loop is the lender's to stop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=10)
+        loop.close()

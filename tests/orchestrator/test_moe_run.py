@@ -149,6 +149,9 @@ def test_experts_outlive_a_preempted_server_and_a_resume_after_losing_everything
         resumed = SupervisorCore(config, run_dir)
         resumed.start()
         wait_for(lambda: resumed.experts.summary()["min_replicas"] == 2, 120, "the resumed run's experts")
+        # the supervisor writes its events in batches: the hand-offs reach the store a tick after the servers
+        wait_for(lambda: {h["uid"] for h in handoffs(run_dir)[before:] if h["source"] == "checkpoint"} >= set(UIDS),
+                 30, "every expert's hand-off from its checkpoint in the run store")
         restored = handoffs(run_dir)[before:]
         assert {h["uid"] for h in restored if h["source"] == "checkpoint"} == set(UIDS)
         for h in restored:
