@@ -106,6 +106,14 @@ class GroupedResult:
         return out
 
     @property
+    def matchmaking_time(self) -> float:
+        return sum(r.matchmaking_time for r in self._rounds())
+
+    @property
+    def allreduce_time(self) -> float:
+        return sum(r.allreduce_time for r in self._rounds())
+
+    @property
     def bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self._rounds())
 
@@ -190,7 +198,7 @@ def _patience(averager: DecentralizedAverager, level: int) -> float:
     views see the batch complete; those of a level above come once their groups below formed, each of
     which may have waited its own whole time for a member that never came."""
     whole = averager.min_matchmaking_time + 2 * averager.request_timeout  # one level's matchmaking at most
-    return (level + 1) * whole - 2 * averager.request_timeout
+    return (level + 1) * whole
 
 
 def _representative(step: StepResult) -> int:

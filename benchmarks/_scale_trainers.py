@@ -50,6 +50,7 @@ class Trainer:
     closed: bool = False
     stepped: dict[int, list[float]] = field(default_factory=dict)  # epoch reached by its own step -> params
     step_times: list[tuple[int, float]] = field(default_factory=list)  # (epoch reached, wall time)
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # per step: matchmaking s, all-reduce s
     loaded: int = 0  # epochs reached by loading state
     error: str = ""
 
@@ -92,6 +93,8 @@ def train(t: Trainer, end: float) -> None:
             if t.opt.step(BATCH, float(loss)):
                 t.stepped[t.opt.epoch] = [float(v) for p in t.model.parameters() for v in p.detach().flatten()]
                 t.step_times.append((t.opt.epoch, time.time()))
+                last = t.opt.history[-1]
+                t.rounds.append((last.matchmaking_time, last.allreduce_time))
             elif t.opt.epoch > before:
                 t.loaded += 1
             time.sleep(t.tick)
@@ -163,6 +166,7 @@ def main(settings: dict) -> None:
         "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime), "rss": rss,
         "stepped": [{str(e): p for e, p in t.stepped.items()} for t in trainers],
         "steps": [s for t in trainers for s in t.step_times],
+        "rounds": [r for t in trainers for r in t.rounds],
         "loaded": sum(t.loaded for t in trainers),
         "errors": [t.error for t in trainers if t.error][:5],
         "stuck": sum(th.is_alive() for th in threads)}})

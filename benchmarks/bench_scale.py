@@ -70,10 +70,11 @@ def trainer_settings(n: int, capacity: int, duration: float, seed: int, initial:
     # micro-steps of 4 samples every 1.2, 0.6 or 0.3 s (7.8 samples a second per peer on average): a
     # global batch of about 8 s of the swarm's samples; groups of 16; reports and views every 3 s, and
     # records fresh for 15 s (two cores hold 256 such peers only at this pace)
+    pace = extra.pop("pace", 1.0)  # --training-pace: every interval that many times longer, the batch as long
     out = {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
-           "refresh": 3.0, "report": 3.0, "fresh_for": 15.0, "target": int(capacity * 62), "tick": 1.2,
-           "group_size": 16, "averaging_timeout": 30.0, "duration": duration, "warmup": min(10.0, duration / 3),
-           **extra}
+           "refresh": 3.0 * pace, "report": 3.0 * pace, "fresh_for": 15.0 * pace, "target": int(capacity * 62),
+           "tick": 1.2 * pace, "group_size": 16, "averaging_timeout": 30.0 * pace, "duration": duration,
+           "warmup": min(10.0 * pace, duration / 3), **extra}
     out.pop("flat", None)
     return out
 
@@ -82,11 +83,15 @@ PARTS = {"swarm": (CHILD, settings), "training": ([sys.executable, "-m", "benchm
                                                   trainer_settings)}
 
 
-def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = False, part: str = "swarm") -> dict:
+def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = False, part: str = "swarm",
+          pace: float = 1.0) -> dict:
     """One run of ``n`` peers; its figures, or why it failed.  ``flat``: every record under one key,
     as every run had before the progress tree (the layout sized for 16 peers).  ``part``: ``swarm``
     (progress views alone) or ``training`` (real collaborative peers)."""
-    argv, settings = PARTS[part]
+    argv, make_settings = PARTS[part]
+
+    def settings(*args: Any, **extra: Any) -> dict:
+        return make_settings(*args, **extra, **({"pace": pace} if part == "training" else {}))
 
     logs = os.environ.get("SPOTSWARM_SCALE_LOGS")  # a folder: each child's log there, its peers' INFO lines too
 
@@ -179,6 +184,7 @@ def training_figures(results: list[dict]) -> dict:
     peer_epochs = sum(r["peer_epochs"] for r in results) or 1
     seconds = max(r["seconds"] for r in results)
     msgs, nbytes = sum(r["messages"] for r in results), sum(r["bytes"] for r in results)
+    steps = any(r["rounds"] for r in results)
     firsts: dict[int, float] = {}
     for r in results:
         for epoch, when in r["steps"]:
@@ -195,6 +201,8 @@ def training_figures(results: list[dict]) -> dict:
         "peers": peers, "epochs": len(epochs), "epoch_s": statistics.median(durations) if durations else None,
         "stepped_per_epoch": statistics.median(len(p) for p in by_epoch.values()) if by_epoch else 0,
         "loaded": sum(r["loaded"] for r in results),
+        "matchmaking_s": statistics.median(m for r in results for m, _ in r["rounds"]) if steps else None,
+        "allreduce_s": statistics.median(a for r in results for _, a in r["rounds"]) if steps else None,
         "control_msgs_per_peer_epoch": msgs / peer_epochs, "control_bytes_per_peer_epoch": nbytes / peer_epochs,
         "control_msgs_per_peer_s": msgs / peers / seconds, "control_bytes_per_peer_s": nbytes / peers / seconds,
         "cpu_s_per_peer_s": sum(r["cpu_s"] for r in results) / peers / seconds,
@@ -218,14 +226,16 @@ def _spread(params: list[list[float]]) -> float:
 def print_training(trained: dict[int, dict]) -> None:
     if not trained:
         return
-    cells = [("peers", "d"), ("epochs", "d"), ("epoch_s", ".2f"), ("stepped_per_epoch", ".0f"), ("loaded", "d"),
+    cells = [("peers", "d"), ("epochs", "d"), ("epoch_s", ".2f"), ("matchmaking_s", ".2f"), ("allreduce_s", ".2f"),
+             ("stepped_per_epoch", ".0f"), ("loaded", "d"),
              ("control_msgs_per_peer_epoch", ".0f"), ("control_bytes_per_peer_epoch", ".0f"),
              ("cpu_s_per_peer_s", ".3f"), ("mem_mb_per_peer", ".1f"), ("param_spread", ".1e"), ("violations", "d")]
     rows = [(n, *(fmt(f.get(key), spec) for key, spec in cells), f.get("error", "") or "; ".join(f.get("errors", [])))
             for n, f in trained.items()]
     print("training: real collaborative peers (groups of 16), under churn")
     print_table([">6"] + [">13"] * len(cells),
-                ["N", "peers", "epochs", "epoch s", "stepped/ep", "loaded", "ctl msgs/ep", "ctl bytes/ep",
+                ["N", "peers", "epochs", "epoch s", "matchmake s", "all-reduce s", "stepped/ep", "loaded",
+                 "ctl msgs/ep", "ctl bytes/ep",
                  "cpu s/s/peer", "MB/peer", "param spread", "violations"], rows, rule=True)
 
 
@@ -248,6 +258,9 @@ def main() -> None:
                         help="swarm,training,orchestrator,moe (quick: swarm,training,orchestrator)")
     parser.add_argument("--training-sizes", default=None, help="N of the training part (default: --sizes; quick: 16)")
     parser.add_argument("--training-duration", type=float, default=None, help="seconds each training swarm trains")
+    parser.add_argument("--training-pace", type=float, default=1.0,
+                        help="the training part's intervals (micro-steps, reports, views, freshness) this many times "
+                             "longer, its epochs as much: more peers on the same cores")
     args = parser.parse_args()
     exit_on_sigterm()
     sizes = [int(x) for x in (args.sizes or ("16,64" if args.quick else "16,64,256")).split(",")]
@@ -267,7 +280,7 @@ def main() -> None:
         if "training" in parts:
             for n in training_sizes:
                 trained[n] = guarded(f"training_{n}", swarm, n, training_duration, True,
-                                     training_duration + 120 + n, False, "training")
+                                     training_duration + 120 + n, False, "training", args.training_pace)
         if "orchestrator" in parts:
             kwargs = {"instances": 1000, "sample_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick}
             out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", kwargs)

@@ -54,6 +54,8 @@ class EpochReport:
     loss: float | None
     averaging_time: float
     group_id: str | None = None  # the all-reduce group this epoch's gradients were averaged in
+    matchmaking_time: float = 0.0  # of averaging_time, seconds in matchmaking (summed over a grouped epoch's rounds)
+    allreduce_time: float = 0.0  # and in all-reduce rounds, the way down included
 
 
 @dataclass
@@ -64,6 +66,8 @@ class _Averaged:
     group_size: int
     group_id: str | None = None
     why: str = ""  # why not complete, as the log line's tail
+    matchmaking_time: float = 0.0
+    allreduce_time: float = 0.0
 
 
 @dataclass
@@ -284,7 +288,8 @@ class CollaborativeOptimizer:
                 self.scheduler.step()
             self.epoch += 1
         self.history.append(EpochReport(self.epoch - 1, result.group_size, self.local_samples, self.last_loss,
-                                        time.monotonic() - started, result.group_id))
+                                        time.monotonic() - started, result.group_id, result.matchmaking_time,
+                                        result.allreduce_time))
         self._reset_accumulators()
         self._report(force=True)
         self._advertise()
@@ -344,12 +349,14 @@ class CollaborativeOptimizer:
                     grouped = await average_in_groups(self.averager, plan, weight, key, self.averaging_timeout,
                                                       abort)
                     outcome = _Averaged(grouped.complete, len(plan.members), grouped.levels[-1].group_id,
-                                        f" ({grouped.reason})" if grouped.reason else "")
+                                        f" ({grouped.reason})" if grouped.reason else "", grouped.matchmaking_time,
+                                        grouped.allreduce_time)
             else:
                 result = await self.averager.step(weight=weight, timeout=self.averaging_timeout, group_key=key,
                                                   target_group_size=live_peers, abort=abort)
                 outcome = _Averaged(result.complete, result.group_size, result.group_id,
-                                    f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "")
+                                    f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "",
+                                    result.matchmaking_time, result.allreduce_time)
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
