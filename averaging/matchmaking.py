@@ -225,7 +225,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         lead = self._leading = _Leadership(group_key)
         started = loop.time()
-        next_check, checks = started + self.poll_interval, 0
+        next_check = started + self.poll_interval
         try:
             while True:
                 now = loop.time()
@@ -237,10 +237,7 @@ class Matchmaker:
                     lead.dismiss("leader ran out of time")
                     return None
                 if now >= next_check:
-                    # each check reads the key (a traversal): a leader that waits long for its group, as a
-                    # planned group's does, checks ever less often, at least once a second
-                    checks += 1
-                    next_check = now + min(self.poll_interval * 2 ** checks, max(self.poll_interval, 1.0))
+                    next_check = now + self.poll_interval
                     leader = _pick_leader(await self._candidates(key, myself), unreachable)
                     if leader is not None and leader.peer_id != self.me:
                         lead.dismiss("another peer leads this group")

@@ -105,6 +105,15 @@ class CollaborativeOptimizer:
         self.report_interval = report_interval
         self.averaging_timeout = averaging_timeout
         self.max_group_size = max_group_size
+        # a run sized for more peers than a group averages in groups of groups at every epoch, however many
+        # are live: every peer of a run must agree on how it averages, and views of who is live differ
+        self.grouped = swarm_size > max_group_size
+        if not self.grouped and min_matchmaking_time < view_interval:
+            # peers see the batch complete up to a view interval apart; a group that closes sooner leaves
+            # the late ones to form a second group of the same epoch, and the two step apart
+            logger.warning("min_matchmaking_time %.1f s is shorter than view_interval %.1f s: peers that see the "
+                           "batch complete late may average apart from the others", min_matchmaking_time,
+                           view_interval)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.epoch = 0
         self.local_samples = 0
@@ -137,7 +146,7 @@ class CollaborativeOptimizer:
             layout = ProgressLayout(run, capacity=swarm_size)
             tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout, fresh_for=fresh_for,
                                       expiration=max(30.0, 6 * fresh_for), refresh_interval=view_interval,
-                                      roster=swarm_size > max_group_size)
+                                      roster=self.grouped)
             await tracker.start_view()
             sharer = StateSharer(node, run, signer, self._state_snapshot, lock=self._state_lock, layout=layout)
             return averager, tracker, sharer
@@ -327,8 +336,8 @@ class CollaborativeOptimizer:
         return count
 
     async def _average(self, live_peers: int) -> tuple[_Averaged, float]:
-        """All-reduce this epoch's gradients: in one group, or, with more live peers than a group
-        holds, in groups of groups (``averaging/grouped.py``) planned over the peers at our epoch.
+        """All-reduce this epoch's gradients: in one group, or, in a run sized for more peers than a
+        group holds, in groups of groups (``averaging/grouped.py``) planned over the peers at our epoch.
         Give up matchmaking as soon as the others have moved on without us (we then load their state)
         instead of waiting out the matchmaking time alone.  Also returns the longest time this process
         stood still meanwhile (seen as a gap in the watcher's beats: a paused process cannot see its
@@ -338,7 +347,7 @@ class CollaborativeOptimizer:
         watcher = asyncio.create_task(self._watch_epoch(abort, beats))
         weight, key = float(self.local_samples), f"e{self.epoch}"
         try:
-            if live_peers > self.max_group_size:
+            if self.grouped:
                 plan = GroupPlan.of([*self.tracker.members(self.epoch), self.dht.peer_id], self.max_group_size)
                 if len(plan.members) <= live_peers // 2:
                     # a roster that holds too few of the live peers would plan a swarm of its own: its top
