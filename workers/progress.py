@@ -174,7 +174,7 @@ class ProgressTracker:
             owed = self._roster_owed + len(leaves) * (clock - self._roster_clock) / self.fresh_for
         self._roster_clock = clock
         count = min(int(owed), len(leaves))
-        self._roster_owed = owed - count
+        self._roster_owed = min(owed - count, float(len(leaves)))  # a slow loop owes at most one round
         paths = [leaves[(self._roster_next + i) % len(leaves)] for i in range(count)]
         self._roster_next = (self._roster_next + count) % len(leaves)
         reads = await asyncio.gather(*(self._read_key(self.layout.key(path)) for path in paths))
