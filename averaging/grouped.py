@@ -31,7 +31,6 @@ not step (the caller's rule, as with one group).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -66,10 +65,6 @@ class GroupPlan:
             counts.append(math.ceil(counts[-1] / self.group_size))
         return counts
 
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(b"".join(p.digest for p in self.members)).hexdigest()[:16]
-
     def rank(self, peer: PeerID) -> int:
         return self.members.index(peer)
 
@@ -99,27 +94,12 @@ class GroupedResult:
         return [r.group_size for r in self.levels]
 
     @property
-    def failed_peers(self) -> list[PeerID]:
-        out: list[PeerID] = []
-        for r in [*self.levels, *([self.received] if self.received else [])]:
-            out.extend(p for p in r.failed_peers if p not in out)
-        return out
-
-    @property
     def matchmaking_time(self) -> float:
         return sum(r.matchmaking_time for r in self._rounds())
 
     @property
     def allreduce_time(self) -> float:
         return sum(r.allreduce_time for r in self._rounds())
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(r.bytes_sent for r in self._rounds())
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(r.bytes_received for r in self._rounds())
 
     def _rounds(self) -> list[StepResult]:
         return [*self.levels, *([self.received] if self.received else []), *self.handed_down]
