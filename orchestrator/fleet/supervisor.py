@@ -45,6 +45,9 @@ from workers.state import StateSharer, StateUnavailable
 
 logger = logging.getLogger(__name__)
 
+# the least time the budget must leave for a final checkpoint before its release: the calls that stop
+# the trainers and fetch a state take longer than that on a busy head, and would spend past the cap
+MIN_FINAL_CHECKPOINT_S = 2.0
 ARCHIVE_FLUSH_S = 30.0  # how long stop()/detach() wait for the last upload of the history
 
 
@@ -348,6 +351,15 @@ class SupervisorCore:
             return
         self._final_taken = True
         started = time.monotonic()
+        if within_s is not None and within_s < MIN_FINAL_CHECKPOINT_S:
+            # the calls to the workers alone take longer on a busy head: trying would overrun the budget
+            have = self.checkpoints.epoch
+            logger.warning("final checkpoint skipped: the budget leaves %.2f s; the last checkpoint is of epoch %s",
+                           within_s, have)
+            self.store.event("final_checkpoint_missed", detail={
+                "epoch": self.epoch, "checkpoint_epoch": have, "epochs_behind": self.epoch - (have or 0),
+                "reason": f"the budget leaves {within_s:.2f} s", "seconds": 0.0})
+            return
         timeout = self.config.checkpoint.final_timeout_s if within_s is None else \
             max(min(within_s, self.config.checkpoint.final_timeout_s), 0.0)
         deadline = started + timeout
