@@ -5,11 +5,12 @@ from p2p.codecs import Codec
 
 from .allreduce import GroupInfo
 from .averager import Averager, DecentralizedAverager, MoshpitAverager, StepResult
-from .grouped import GroupedResult, GroupPlan, average_in_groups
+from .grouped import GroupedResult, GroupPlan, average_in_groups, quorum_of
 from .load_balancing import load_balanced_parts, optimal_shares, part_sizes
-from .matchmaking import ShapeMismatch
+from .matchmaking import Planned, ShapeMismatch
 
 __all__ = [
     "Averager", "Codec", "DecentralizedAverager", "GroupInfo", "GroupPlan", "GroupedResult", "MoshpitAverager",
-    "ShapeMismatch", "StepResult", "average_in_groups", "load_balanced_parts", "optimal_shares", "part_sizes",
+    "Planned", "ShapeMismatch", "StepResult", "average_in_groups", "load_balanced_parts", "optimal_shares",
+    "part_sizes", "quorum_of",
 ]

@@ -26,7 +26,7 @@ from p2p.node import CallContext
 
 from .allreduce import DEFAULT_MAX_WEIGHT, AllReduceRound, GroupInfo, weight_problem
 from .bandwidth import BandwidthMeter, ProbeSink, probe
-from .matchmaking import Matchmaker
+from .matchmaking import Matchmaker, Planned
 from .partition import FlatTensors, chunk_size_problem
 from .reduction import DEFAULT_NORM_RATIO, all_finite
 
@@ -168,7 +168,8 @@ class DecentralizedAverager:
 
     async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all",
                    target_group_size: int | None = None, abort: asyncio.Event | None = None,
-                   min_group_size: int | None = None, patience: float | None = None) -> StepResult:
+                   min_group_size: int | None = None, patience: float | None = None,
+                   planned: Planned | None = None) -> StepResult:
         """Find a group under ``group_key`` and average with it; averages in place.
 
         ``weight`` (e.g. samples processed) weighs this peer in the mean; at most ``max_weight``.
@@ -177,8 +178,9 @@ class DecentralizedAverager:
         Raises ShapeMismatch if the group's tensors differ from ours.  Setting ``abort`` gives up
         matchmaking (e.g. the others have moved on without us); a round once started runs to its end.
         ``target_group_size`` and ``min_group_size`` override the averager's for this step, and
-        ``patience`` how long a leader waits for a full group (``Matchmaker.form_group``); matchmaking
-        then lasts up to ``max(min_matchmaking_time, patience) + 2 * request_timeout``.
+        ``patience`` how long a leader waits for a full group (``Matchmaker.form_group``; ``planned``:
+        who should come, so that it waits for none that will not); matchmaking then lasts up to
+        ``max(min_matchmaking_time, patience) + 2 * request_timeout``.
         """
         try:
             weight = float(weight)
@@ -190,12 +192,13 @@ class DecentralizedAverager:
         async with self._lock:
             try:
                 return await self._step(weight, timeout, group_key, target_group_size, abort, min_group_size,
-                                        patience)
+                                        patience, planned)
             finally:
                 self.phase = "idle"
 
     async def _step(self, weight: float, timeout: float | None, group_key: str, target_group_size: int | None,
-                    abort: asyncio.Event | None, min_group_size: int | None, patience: float | None) -> StepResult:
+                    abort: asyncio.Event | None, min_group_size: int | None, patience: float | None,
+                    planned: Planned | None = None) -> StepResult:
         """One matchmaking, then one round with the group found (if any)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -209,7 +212,7 @@ class DecentralizedAverager:
         checking = loop.run_in_executor(self._checker, all_finite, self.flat.flat)
         try:
             group = await self._matchmake(group_key, min(started + mm_budget, deadline), target_group_size, abort,
-                                          weight, min_group_size, patience)
+                                          weight, min_group_size, patience, planned)
         finally:
             finite = await checking  # never left reading our buffer once the step is over
         matched = loop.time()
@@ -280,8 +283,9 @@ class DecentralizedAverager:
 
     async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
                          abort: asyncio.Event | None, weight: float, min_group_size: int | None,
-                         patience: float | None) -> GroupInfo | None:
-        forming = self.matchmaker.form_group(group_key, deadline, target_group_size, weight, min_group_size, patience)
+                         patience: float | None, planned: Planned | None = None) -> GroupInfo | None:
+        forming = self.matchmaker.form_group(group_key, deadline, target_group_size, weight, min_group_size, patience,
+                                             planned)
         if abort is None:
             return await forming
         task = asyncio.ensure_future(forming)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from p2p import PeerID
 
 from .averager import DecentralizedAverager, StepResult
+from .matchmaking import Planned
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class GroupPlan:
 
     def size_of(self, group: int, count: int) -> int:
         return min(self.group_size, count - group * self.group_size)
+
+    def members_of(self, group: int) -> tuple[PeerID, ...]:
+        """The members planned for level 0's group ``group``."""
+        return self.members[group * self.group_size:(group + 1) * self.group_size]
 
 
 @dataclass
@@ -126,18 +131,21 @@ async def average_in_groups(averager: DecentralizedAverager, plan: GroupPlan, we
         group_key = key if top else f"{key}.{level}.{group}"
         target = count if top else plan.size_of(group, count)
         quorum = quorum_of(target)
+        planned = Planned(plan.members_of(group) if level == 0 and not top else (), unit)
         step = await averager.step(weight, timeout=max(deadline - loop.time(), 1e-3), group_key=group_key,
                                    target_group_size=target, abort=abort, min_group_size=quorum,
-                                   patience=_patience(averager, level))
+                                   patience=_patience(averager, level), planned=planned)
         result.levels.append(step)
         logger.debug("%s: level %d group %s of %d planned: %d members (matchmaking %.2f s, round %.2f s)",
                      group_key, level, group, target, step.group_size, step.matchmaking_time, step.allreduce_time)
         if step.group_size < quorum:
             result.reason = (f"level {level}: our group held {step.group_size} of {target} planned "
                              f"{'groups' if level else 'peers'}, fewer than {quorum}")
+            await _declare_gone(averager, plan, key, level, group, deadline - loop.time())
             break
         if step.averaged and not step.complete:
             result.reason = f"level {level}: parts {step.unaveraged_parts} of our group did not come back"
+            await _declare_gone(averager, plan, key, level, group, deadline - loop.time())
             break
         if top:
             result.complete = True
@@ -163,6 +171,18 @@ async def average_in_groups(averager: DecentralizedAverager, plan: GroupPlan, we
                                           failed=not result.complete)
         result.handed_down.append(handed)
     return result
+
+
+async def _declare_gone(averager: DecentralizedAverager, plan: GroupPlan, key: str, level: int, group: int,
+                        lasts: float) -> None:
+    """Our group at ``level`` will not go up: tell the leader of the group above, which would otherwise
+    wait its whole patience for it (the top of a 256-peer swarm, 14 s at the defaults)."""
+    counts = plan.levels
+    if level + 1 >= len(counts) or group < 0:
+        return  # the top: nobody above waits
+    above = level + 1
+    parent_key = key if above == len(counts) - 1 else f"{key}.{above}.{plan.group_of(group, counts[above])}"
+    await averager.matchmaker.declare_gone(parent_key, group, max(lasts, 1.0))
 
 
 def quorum_of(planned: int) -> int:

@@ -29,9 +29,13 @@ from .partition import MIN_CHUNK, auto_chunk_size, describe_mismatch
 logger = logging.getLogger(__name__)
 
 # How long a key's replica set, once looked up, is used again for declaring and withdrawing (see
-# dht/replicas.py).  Readers do a full lookup, so they find the declarations as long as one of the
-# replicas used is still among the key's nearest.
+# dht/replicas.py).  A poll for the others' declarations asks the replicas we declared at (one small
+# ``find`` each, no contacts in the answers): peers that found the same nearest replicas (all of them,
+# but for churn) see each other at once.  A full lookup, first and at least every FULL_LOOKUP_EVERY
+# seconds, finds the declarations of a peer whose set differs as long as one of its replicas is still
+# among the key's nearest.
 REPLICAS_REUSED_FOR = REUSED_FOR
+FULL_LOOKUP_EVERY = 1.0
 
 
 class ShapeMismatch(ValueError):
@@ -46,10 +50,24 @@ class Candidate:
     bandwidth: float = field(compare=False)
     schema_hash: str = field(compare=False, default="")
     weight: float = field(compare=False, default=1.0)  # as declared; every member checks it
+    unit: int | None = field(compare=False, default=None)  # a follower's unit of the level below, if planned
 
     @property
     def can_lead(self) -> bool:
         return self.address is not None
+
+
+class _CannotForm(Exception):
+    """A planned group's leader knows that too many of its members are gone for it to reach its quorum."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What a planned group's members know of who should come (``averaging/grouped.py``), so that its
+    leader waits for nobody who will not."""
+
+    members: tuple[PeerID, ...] = ()  # the members planned for the group (level 0), if known
+    unit: int | None = None  # which unit of the level below this peer stands for
 
 
 @dataclass
@@ -96,6 +114,10 @@ class Matchmaker:
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
         self._replicas = ReplicaSets(node, REPLICAS_REUSED_FOR)
+        self._polls = _Polls([])
+        self._expected: list[PeerID] = []
+        self._gone_peers: set[PeerID] = set()
+        self._gone_units: set[int] = set()
         self._background: set[asyncio.Task] = set()
         self.p2p.register(self.method, self._rpc_join)
 
@@ -130,7 +152,7 @@ class Matchmaker:
     # ---- the whole procedure -------------------------------------------------------------------
     async def form_group(self, group_key: str, deadline: float, target_group_size: int | None = None,
                          weight: float = 1.0, min_group_size: int | None = None,
-                         patience: float | None = None) -> GroupInfo | None:
+                         patience: float | None = None, planned: Planned | None = None) -> GroupInfo | None:
         """Find a group before ``deadline`` (loop time); None if none formed.
 
         ``target_group_size`` overrides the configured target for this call (e.g. the number of
@@ -138,13 +160,20 @@ class Matchmaker:
         ``weight`` is this peer's weight in the average, declared to the group.  ``min_group_size``
         overrides the smallest group a leader closes after ``patience`` (default ``min_matchmaking_time``;
         a leader short of it waits on, until ``deadline``), where a full group closes at once: a
-        planned group whose members come over a few seconds waits for them all.
+        planned group whose members come over a few seconds waits for them all.  It waits for none
+        that will not come (``planned``): of the planned members, those that do not answer a ping
+        after ``min_matchmaking_time``, and the units of a level below that declared themselves gone
+        under this key (``declare_gone``) and sent nobody.
         """
         loop = asyncio.get_running_loop()
         self._target = min(target_group_size or self.target_group_size, self.target_group_size)
         self._min_size = min(min_group_size or self.min_group_size, self._target)
         self._patience = self.min_matchmaking_time if patience is None else patience
         self._weight = weight
+        self._planned = planned or Planned()
+        self._expected = [p for p in self._planned.members if p != self.me]
+        self._gone_peers: set[PeerID] = set()  # of _expected, those that did not answer
+        self._gone_units: set[int] = set()  # units of the level below declared gone under this key
         declared_at = self.node.clock.now()  # compared with the others' declarations: the swarm's time
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
         key = self._dht_key(group_key)
@@ -154,6 +183,7 @@ class Matchmaker:
         await self.node.store(key, declaration, expiration, subkey=str(self.me), at=replicas)
         myself = Candidate(declared_at, self.me, declaration["a"], self.bandwidth, self.schema_hash)
         unreachable: set[PeerID] = set()
+        self._polls = _Polls(replicas)
         try:
             while loop.time() < deadline:
                 leader = _pick_leader(await self._candidates(key, myself), unreachable)
@@ -161,7 +191,10 @@ class Matchmaker:
                     await asyncio.sleep(self.poll_interval)
                     continue
                 if leader.peer_id == self.me:
-                    group = await self._lead(group_key, key, myself, unreachable, deadline)
+                    try:
+                        group = await self._lead(group_key, key, myself, unreachable, deadline)
+                    except _CannotForm:
+                        return None
                 else:
                     group = await self._follow(group_key, leader, unreachable, deadline)
                 if group is not None:
@@ -172,14 +205,45 @@ class Matchmaker:
             self._spawn(self._withdraw(key, expiration, replicas))
 
     async def _candidates(self, key: str, myself: Candidate) -> list[Candidate]:
-        found = await self.node.get(key, latest=True)
+        found = await self.node.get(key, latest=True, at=self._polls.where(asyncio.get_running_loop().time()))
         out = {myself.peer_id: myself}  # our own declaration may not be readable yet
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
+                gone = _gone_unit(item.value)
+                if gone is not None:
+                    self._gone_units.add(gone)
+                    continue
                 cand = _parse_candidate(subkey, item.value)
                 if cand is not None:
                     out[cand.peer_id] = cand
         return sorted(out.values())
+
+    async def declare_gone(self, group_key: str, unit: int, lasts: float) -> None:
+        """Say under ``group_key`` that unit ``unit`` of the level below (our group there) will not come:
+        its leader then closes without waiting out its patience for it."""
+        key = self._dht_key(group_key)
+        value = {"a": None, "t": self.node.clock.now(), "g": int(unit)}
+        try:
+            await self.node.store(key, value, self.node.clock.now() + lasts, subkey=f"{self.me}.gone")
+        except Exception as e:  # noqa: BLE001 - a courtesy: the leader's patience bounds its wait anyway
+            logger.debug("could not declare unit %d of %s gone: %s", unit, group_key, e)
+
+    async def _probe_expected(self, lead: _Leadership) -> None:
+        """Ping the expected members that have not joined; those that do not answer are waited for no more.
+        One whose address we do not know is waited for: not knowing it is no sign it is gone."""
+        joined = {f.peer_id for f in lead.followers}
+        absent = [p for p in self._expected if p not in joined and self.node.known_address(p) is not None]
+        timeout = min(self.request_timeout, 1.0)
+        answers = await asyncio.gather(*(self.node.answers(p, timeout) for p in absent))
+        self._gone_peers.update(p for p, alive in zip(absent, answers, strict=True) if not alive)
+        if self._gone_peers:
+            lead.changed.set()
+
+    def _wanted(self, lead: _Leadership) -> int:
+        """The group size a leader closes at once: the target less the members known not to come."""
+        joined = {f.peer_id for f in lead.followers}
+        units = {f.unit for f in lead.followers} | {self._planned.unit}
+        return max(self._target - len(self._gone_peers - joined) - len(self._gone_units - units), 1)
 
     async def _withdraw(self, key: str, expiration: float, replicas: list) -> None:
         """Overwrite our declaration where it was stored (a later expiration wins) so nobody tries to join us."""
@@ -193,7 +257,7 @@ class Matchmaker:
                       deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         request = {"k": group_key, "schema": self.schema, "bw": self.bandwidth, "w": self._weight,
-                   "a": self.p2p.listen_address_str and str(self.p2p.address)}
+                   "a": self.p2p.listen_address_str and str(self.p2p.address), "u": self._planned.unit}
         timeout = min(deadline - loop.time(), self._patience + self.request_timeout)
         if timeout <= 0:
             return None
@@ -226,13 +290,19 @@ class Matchmaker:
         lead = self._leading = _Leadership(group_key)
         started = loop.time()
         next_check = started + self.poll_interval
+        probe: asyncio.Task | None = None
         try:
             while True:
                 now = loop.time()
                 size = len(lead.followers) + 1
                 if size >= self._target or (size >= self._min_size and (
-                        now - started >= self._patience or now >= deadline)):
+                        size >= self._wanted(lead) or now - started >= self._patience or now >= deadline)):
                     return self._assemble(lead)
+                if self._wanted(lead) < self._min_size:
+                    lead.dismiss("too many of the planned members are gone")
+                    raise _CannotForm  # it would never reach its quorum: no use waiting out the deadline
+                if probe is None and self._expected and now - started >= self.min_matchmaking_time:
+                    probe = asyncio.ensure_future(self._probe_expected(lead))
                 if now >= deadline:
                     lead.dismiss("leader ran out of time")
                     return None
@@ -243,9 +313,14 @@ class Matchmaker:
                         lead.dismiss("another peer leads this group")
                         return None
                 wake = min(next_check, started + self._patience, deadline)
+                if probe is None and self._expected:
+                    wake = min(wake, started + self.min_matchmaking_time)
                 await wait_event(lead.changed, max(wake - loop.time(), 0))
                 lead.changed.clear()
         finally:
+            if probe is not None:
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
             if self._leading is lead:
                 self._leading = None
             if not lead.closed:
@@ -281,9 +356,11 @@ class Matchmaker:
             return {"ok": False, "why": "group is full"}
         bandwidth = request.get("bw")
         address = request.get("a") if not ctx.remote_client_mode else None
+        unit = request.get("u")
         follower = Candidate(0.0, ctx.peer_id, address if isinstance(address, str) else None,
                              _declared_bandwidth(bandwidth),
-                             weight=claimed_weight(request.get("w")))
+                             weight=claimed_weight(request.get("w")),
+                             unit=unit if isinstance(unit, int) and not isinstance(unit, bool) else None)
         reply: asyncio.Future = asyncio.get_running_loop().create_future()
         lead.followers.append(follower)
         lead.replies[ctx.peer_id] = reply
@@ -294,6 +371,22 @@ class Matchmaker:
             if not reply.done():  # the follower gave up before the group formed
                 lead.followers.remove(follower)
                 lead.replies.pop(ctx.peer_id, None)
+
+
+@dataclass
+class _Polls:
+    """Where this call's next poll for declarations reads: a full lookup first and at least every
+    ``FULL_LOOKUP_EVERY`` seconds, the replicas we declared at in between."""
+
+    replicas: list
+    next_lookup: float = 0.0  # loop time
+
+    def where(self, now: float) -> list | None:
+        """None: a full lookup (``DHTNode.get``'s default), else the replicas to ask."""
+        if now >= self.next_lookup or not any(c is not None for c in self.replicas):
+            self.next_lookup = now + FULL_LOOKUP_EVERY
+            return None
+        return self.replicas
 
 
 def _pick_leader(candidates: list[Candidate], unreachable: set[PeerID]) -> Candidate | None:
@@ -310,6 +403,14 @@ def _pick_leader(candidates: list[Candidate], unreachable: set[PeerID]) -> Candi
         if leaders:
             return leaders[0]
     return None
+
+
+def _gone_unit(value: Any) -> int | None:
+    """The unit a ``declare_gone`` record names, or None for anything else."""
+    if not isinstance(value, dict):
+        return None
+    unit = value.get("g")
+    return unit if isinstance(unit, int) and not isinstance(unit, bool) and unit >= 0 else None
 
 
 def _declared_bandwidth(value: Any) -> float:

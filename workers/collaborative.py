@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from averaging import Codec, DecentralizedAverager, GroupPlan, average_in_groups
+from averaging import Codec, DecentralizedAverager, GroupPlan, Planned, average_in_groups, quorum_of
 from dht import DHT, DHTNode, SignatureValidator
 from p2p import P2PError, PeerID
 
@@ -108,12 +108,6 @@ class CollaborativeOptimizer:
         # a run sized for more peers than a group averages in groups of groups at every epoch, however many
         # are live: every peer of a run must agree on how it averages, and views of who is live differ
         self.grouped = swarm_size > max_group_size
-        if not self.grouped and min_matchmaking_time < view_interval:
-            # peers see the batch complete up to a view interval apart; a group that closes sooner leaves
-            # the late ones to form a second group of the same epoch, and the two step apart
-            logger.warning("min_matchmaking_time %.1f s is shorter than view_interval %.1f s: peers that see the "
-                           "batch complete late may average apart from the others", min_matchmaking_time,
-                           view_interval)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.epoch = 0
         self.local_samples = 0
@@ -361,8 +355,14 @@ class CollaborativeOptimizer:
                                         f" ({grouped.reason})" if grouped.reason else "", grouped.matchmaking_time,
                                         grouped.allreduce_time)
             else:
+                # peers see the batch complete up to a view interval apart: the leader waits that long for them
+                # all (none that a ping finds gone), and the group counts with a strict majority of the live
+                # peers, so late ones that meet after it closed are too few to step apart from it
+                patience = max(self.averager.min_matchmaking_time, 2 * self.tracker.refresh_interval)
                 result = await self.averager.step(weight=weight, timeout=self.averaging_timeout, group_key=key,
-                                                  target_group_size=live_peers, abort=abort)
+                                                  target_group_size=live_peers, abort=abort,
+                                                  min_group_size=quorum_of(live_peers), patience=patience,
+                                                  planned=Planned(tuple(self.tracker.members(self.epoch))))
                 outcome = _Averaged(result.complete, result.group_size, result.group_id,
                                     f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "",
                                     result.matchmaking_time, result.allreduce_time)

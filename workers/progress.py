@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import pydantic
 
 from dht import DHTNode, ReplicaSets, SignatureValidator, owners_in
+from dht.replicas import REUSED_FOR
 from p2p import PeerID
 from p2p.waiting import wait_event
 
@@ -98,8 +99,11 @@ class ProgressTracker:
         self._roster_clock: float | None = None  # loop time of the last roster read
         self._roster_owed = 0.0  # leaves due to be read, carried from one refresh to the next
         self._roster_next = 0  # the next leaf to read
+        self._roster_rounds = 0  # rounds of leaf reads begun: which replica of a leaf the round reads
         self._rest: ProgressSummary | None = None  # everyone outside our leaf, as its aggregators last summed it
         self._replicas = ReplicaSets(node)
+        # a roster reads each leaf once per fresh_for: a replica set kept no longer would mean a lookup a read
+        self._roster_replicas = ReplicaSets(node, max(REUSED_FOR, 2 * fresh_for))
         self._unpublished: PeerProgress | None = None
         self._handing = threading.Lock()  # publish (any thread) and the view (the loop) trade _unpublished
         self._wake: asyncio.Event | None = None
@@ -135,11 +139,15 @@ class ProgressTracker:
         read = await self._read_key(self.key)
         return read.records, read.withdrawn, freshest(read.downs.values())
 
-    async def _read_key(self, key: str) -> _KeyRead:
-        """One key from its nearest ``READ_REPLICAS`` replicas (every write goes to them all)."""
-        replicas = await self._replicas.of(key)
+    async def _read_key(self, key: str, one: int | None = None) -> _KeyRead:
+        """One key from its nearest ``READ_REPLICAS`` replicas (every write goes to them all); ``one``:
+        from only one of them, the ``one``-th in turn (the roster's reads of the other leaves)."""
+        sets = self._replicas if one is None else self._roster_replicas
+        replicas = (await sets.of(key))[:READ_REPLICAS]
+        if one is not None:
+            replicas = [replicas[one % len(replicas)]]
         # a summary dated ahead would stay the freshest for good: a clock a little ahead is all it may be
-        return _parse(await self.node.get(key, at=replicas[:READ_REPLICAS]), self.now() + self.fresh_for)
+        return _parse(await self.node.get(key, at=replicas), self.now() + self.fresh_for)
 
     async def global_progress(self) -> GlobalProgress:
         """The swarm's progress read now (a DHT call); a training step uses ``view`` instead."""
@@ -168,7 +176,8 @@ class ProgressTracker:
         if not leaves:
             return
         clock = asyncio.get_running_loop().time()
-        if self._roster_clock is None:
+        first = self._roster_clock is None
+        if first:
             owed = float(len(leaves))
         else:
             owed = self._roster_owed + len(leaves) * (clock - self._roster_clock) / self.fresh_for
@@ -177,7 +186,11 @@ class ProgressTracker:
         self._roster_owed = min(owed - count, float(len(leaves)))  # a slow loop owes at most one round
         paths = [leaves[(self._roster_next + i) % len(leaves)] for i in range(count)]
         self._roster_next = (self._roster_next + count) % len(leaves)
-        reads = await asyncio.gather(*(self._read_key(self.layout.key(path)) for path in paths))
+        self._roster_rounds += self._roster_next < count  # wrapped around: the next round reads other replicas
+        # after a first read of every replica, one replica a leaf, another each round: a record missing from
+        # one stays until it would have expired, and its writer's next report reaches every replica
+        one = None if first else self._roster_rounds
+        reads = await asyncio.gather(*(self._read_key(self.layout.key(path), one) for path in paths))
         cutoff = self.now() - self.expiration
         for path, read in zip(paths, reads, strict=True):
             # a leaf missing from one read keeps its records until they would have expired (see _refresh)

@@ -47,6 +47,7 @@ class MatchmakingDeclaration(pydantic.BaseModel):
     t: float  # when it started looking
     bw: float = pydantic.Field(0.0, ge=0)
     h: str = ""  # hash of its tensors' schema
+    g: int | None = pydantic.Field(None, ge=0)  # in a ``declare_gone`` record: the unit below that will not come
 
 
 def _is_expert_uid(key: str) -> bool:

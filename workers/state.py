@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from dht import DHTNode, SignatureValidator
+from dht import DHTNode, ReplicaSets, SignatureValidator
 from p2p import CallKind, P2PError, PeerAddress
 from p2p.node import CallContext
 
 from .progress_tree import ProgressLayout
 
 logger = logging.getLogger(__name__)
+ADVERT_REPLICAS_REUSED_FOR = 30.0  # seconds an advert key's replica set is reused while its peers answer
 DONOR_KEYS_PER_READ = 16  # state-advert keys a newcomer reads at once, in a run with more than one
 
 _TENSOR = "__tensor__"
@@ -106,6 +107,9 @@ class StateSharer:
         self.lock = lock or threading.Lock()  # the owner's, held while it changes its state
         self.rpc_timeout = rpc_timeout
         self._snapshot: _Snapshot | None = None
+        # a peer advertises at every epoch: a lookup each time would cost more than the advert (readers
+        # look up the key's nearest, which a set found up to this long ago still mostly is)
+        self._replicas = ReplicaSets(node, ADVERT_REPLICAS_REUSED_FOR)
         self.meta_method = f"state.meta.{run}"
         self.data_method = f"state.tensors.{run}"
         if not node.client_mode:
@@ -121,10 +125,12 @@ class StateSharer:
         if self.node.client_mode:
             return
         await self.node.store(self.key, {"epoch": epoch, "a": str(self.node.address)},
-                              self.node.clock.now() + expiration, subkey=self.subkey)
+                              self.node.clock.now() + expiration, subkey=self.subkey,
+                              at=await self._replicas.of(self.key))
 
     async def withdraw(self) -> None:
-        await self.node.store(self.key, None, self.node.clock.now() + 3600, subkey=self.subkey)
+        await self.node.store(self.key, None, self.node.clock.now() + 3600, subkey=self.subkey,
+                              at=await self._replicas.of(self.key))
 
     def _current(self) -> _Snapshot:
         with self.lock:  # the copy, not only the read: the owner changes its tensors in place
@@ -155,16 +161,17 @@ class StateSharer:
 
     # ---- downloading ---------------------------------------------------------------------------
     async def donors(self, min_epoch: int = 0, enough: int = 8) -> list[tuple[int, str]]:
-        """(epoch, address) of peers offering state, freshest first.  In a large run the leaves are
-        read a batch at a time, ours first, until ``enough`` donors turned up (a newcomer needs a
-        few, not every peer's advert)."""
+        """(epoch, address) of peers offering state, freshest first.  In a large run our leaf is read
+        first, then the others a batch at a time, until ``enough`` donors turned up (a newcomer needs
+        a few, not every peer's advert; our leaf alone holds about 16)."""
         leaves = self.layout.all_leaves()
         mine = self.layout.leaf_of(self.node.peer_id)
         random.shuffle(leaves)
-        keys = [self.key] + [self.layout.key(path, "state") for path in leaves if path != mine]
+        others = [self.layout.key(path, "state") for path in leaves if path != mine]
+        batches = [[self.key]] + [others[i:i + DONOR_KEYS_PER_READ] for i in range(0, len(others), DONOR_KEYS_PER_READ)]
         out: list[tuple[int, str]] = []
-        for start in range(0, len(keys), DONOR_KEYS_PER_READ):
-            found = await self.node.get_many(keys[start:start + DONOR_KEYS_PER_READ], latest=True)
+        for batch in batches:
+            found = await self.node.get_many(batch, latest=True)
             for entry in found.values():
                 out.extend(self._adverts(entry, min_epoch))
             if len(out) >= enough:

@@ -81,3 +81,36 @@ async def test_a_planned_peer_that_never_comes_is_left_out_and_the_others_comple
     assert all(r.complete for r in results), [r.reason for r in results]
     assert sorted(r.levels[0].group_size for r in results).count(2) == 2  # its group formed without it
     assert_exact_mean_everywhere(averagers, [expected])
+
+
+async def test_a_group_waits_for_no_planned_member_that_is_gone_nor_the_top_for_a_group_that_is(swarm):
+    """Planned members that died: their group closes once a ping finds them gone, not after its whole
+    patience; a group left short of its quorum says so, and the top closes without it."""
+    nodes = await swarm(9)
+    torch.manual_seed(0)
+    inputs = [torch.randn(1000) * (i + 1) for i in range(9)]
+    # request_timeout 5: a level-0 leader would wait 10.5 s for a missing member, the top 21 s
+    averagers = [DecentralizedAverager([x.clone()], node, "grads", min_matchmaking_time=0.5, request_timeout=5.0)
+                 for x, node in zip(inputs, nodes, strict=True)]
+    plan = GroupPlan.of([node.peer_id for node in nodes], 3)
+    order = [plan.members.index(node.peer_id) for node in nodes]
+    dead = [i for i in range(9) if order[i] in (1, 7, 8)]  # one of group 0; two of group 2, whose last one is alone
+    alive = [i for i in range(9) if i not in dead]
+    everyone = [str(node.address) for node in nodes]
+    await asyncio.gather(*(node.bootstrap(everyone) for node in nodes))  # a leader pings only peers it knows
+    for i in dead:
+        await averagers[i].shutdown()
+        await nodes[i].shutdown()
+    started = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(average_in_groups(averagers[i], plan, 1.0, "e3", timeout=30) for i in alive))
+    elapsed = asyncio.get_running_loop().time() - started
+    by_rank = {order[i]: r for i, r in zip(alive, results, strict=True)}
+    assert not by_rank[6].complete and "fewer than 2" in by_rank[6].reason  # group 2: one of three left
+    completed = [i for i in alive if by_rank[order[i]].complete]
+    assert sorted(order[i] for i in completed) == [0, 2, 3, 4, 5]
+    assert elapsed < 10.0, elapsed  # neither group 0 nor the top waited out its patience
+    expected = torch.stack([inputs[i] for i in completed]).double().mean(0).float()
+    assert_exact_mean_everywhere([averagers[i] for i in completed], [expected])
+    for i in range(9):
+        if i not in dead:
+            await averagers[i].shutdown()
