@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # among the key's nearest.
 REPLICAS_REUSED_FOR = REUSED_FOR
 FULL_LOOKUP_EVERY = 1.0
+SETTLED_POLL_FACTOR = 5  # a leader's polls after its first FULL_LOOKUP_EVERY seconds: this many intervals apart
 
 
 class ShapeMismatch(ValueError):
@@ -307,7 +308,10 @@ class Matchmaker:
                     lead.dismiss("leader ran out of time")
                     return None
                 if now >= next_check:
-                    next_check = now + self.poll_interval
+                    # an earlier declaration shows within a store's time: after the first second a leader that
+                    # waits long for its planned group (seconds, at the top) checks less often
+                    settled = now - started >= FULL_LOOKUP_EVERY
+                    next_check = now + self.poll_interval * (SETTLED_POLL_FACTOR if settled else 1)
                     leader = _pick_leader(await self._candidates(key, myself), unreachable)
                     if leader is not None and leader.peer_id != self.me:
                         lead.dismiss("another peer leads this group")

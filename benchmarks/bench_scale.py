@@ -52,6 +52,7 @@ from benchmarks._common import (  # noqa: E402
 )
 
 PER_PROCESS = 64
+TRAINER_VIEW_S = 3.0  # the training part's view interval at pace 1
 CHILD = [sys.executable, "-m", "benchmarks._scale_peers"]
 
 
@@ -72,7 +73,8 @@ def trainer_settings(n: int, capacity: int, duration: float, seed: int, initial:
     # records fresh for 15 s (two cores hold 256 such peers only at this pace)
     pace = extra.pop("pace", 1.0)  # --training-pace: every interval that many times longer, the batch as long
     out = {"n": n, "capacity": capacity, "initial": initial, "client_fraction": 0.1, "seed": seed,
-           "refresh": 3.0 * pace, "report": 3.0 * pace, "fresh_for": 15.0 * pace, "target": int(capacity * 62),
+           "refresh": TRAINER_VIEW_S * pace, "report": 3.0 * pace, "fresh_for": 15.0 * pace,
+           "target": int(capacity * 62),
            "tick": 1.2 * pace, "group_size": 16, "averaging_timeout": 30.0 * pace, "duration": duration,
            "warmup": min(10.0 * pace, duration / 3), **extra}
     out.pop("flat", None)
@@ -140,7 +142,7 @@ def swarm(n: int, duration: float, churn: bool, limit_s: float, flat: bool = Fal
         return {"error": str(e)}
     finally:
         stop_all(children, grace=5.0)
-    return figures(n, results) if part == "swarm" else training_figures(results)
+    return figures(n, results) if part == "swarm" else training_figures(results, TRAINER_VIEW_S * pace)
 
 
 def figures(n: int, results: list[dict]) -> dict:
@@ -178,8 +180,10 @@ def figures(n: int, results: list[dict]) -> dict:
     }
 
 
-def training_figures(results: list[dict]) -> dict:
-    """The training part's figures: epoch time, control plane per peer and epoch, parameter spread."""
+def training_figures(results: list[dict], view_interval: float) -> dict:
+    """The training part's figures: epoch time, control plane per peer and epoch (and per view refresh at
+    the configured rate, ``view_interval``: a busy loop's slower refreshes do not make it look cheaper),
+    parameter spread."""
     peers = sum(r["peers"] for r in results)
     peer_epochs = sum(r["peer_epochs"] for r in results) or 1
     seconds = max(r["seconds"] for r in results)
@@ -205,6 +209,8 @@ def training_figures(results: list[dict]) -> dict:
         "allreduce_s": statistics.median(a for r in results for _, a in r["rounds"]) if steps else None,
         "control_msgs_per_peer_epoch": msgs / peer_epochs, "control_bytes_per_peer_epoch": nbytes / peer_epochs,
         "control_msgs_per_peer_s": msgs / peers / seconds, "control_bytes_per_peer_s": nbytes / peers / seconds,
+        "control_msgs_per_peer_refresh": msgs / peers / seconds * view_interval,
+        "control_bytes_per_peer_refresh": nbytes / peers / seconds * view_interval,
         "cpu_s_per_peer_s": sum(r["cpu_s"] for r in results) / peers / seconds,
         "mem_mb_per_peer": sum(r["rss"] for r in results) / peers / 2**20,
         "control_bytes_per_peer_epoch_by_method": {
@@ -229,13 +235,14 @@ def print_training(trained: dict[int, dict]) -> None:
     cells = [("peers", "d"), ("epochs", "d"), ("epoch_s", ".2f"), ("matchmaking_s", ".2f"), ("allreduce_s", ".2f"),
              ("stepped_per_epoch", ".0f"), ("loaded", "d"),
              ("control_msgs_per_peer_epoch", ".0f"), ("control_bytes_per_peer_epoch", ".0f"),
+             ("control_msgs_per_peer_refresh", ".1f"), ("control_bytes_per_peer_refresh", ".0f"),
              ("cpu_s_per_peer_s", ".3f"), ("mem_mb_per_peer", ".1f"), ("param_spread", ".1e"), ("violations", "d")]
     rows = [(n, *(fmt(f.get(key), spec) for key, spec in cells), f.get("error", "") or "; ".join(f.get("errors", [])))
             for n, f in trained.items()]
     print("training: real collaborative peers (groups of 16), under churn")
-    print_table([">6"] + [">13"] * len(cells),
+    print_table([">6"] + [">15"] * len(cells),
                 ["N", "peers", "epochs", "epoch s", "matchmake s", "all-reduce s", "stepped/ep", "loaded",
-                 "ctl msgs/ep", "ctl bytes/ep",
+                 "ctl msgs/ep", "ctl bytes/ep", "ctl msgs/refr", "ctl bytes/refr",
                  "cpu s/s/peer", "MB/peer", "param spread", "violations"], rows, rule=True)
 
 
@@ -258,19 +265,21 @@ def main() -> None:
                         help="swarm,training,orchestrator,moe (quick: swarm,training,orchestrator)")
     parser.add_argument("--training-sizes", default=None, help="N of the training part (default: --sizes; quick: 16)")
     parser.add_argument("--training-duration", type=float, default=None, help="seconds each training swarm trains")
-    parser.add_argument("--training-pace", type=float, default=1.0,
+    parser.add_argument("--training-pace", type=float, default=None,
                         help="the training part's intervals (micro-steps, reports, views, freshness) this many times "
-                             "longer, its epochs as much: more peers on the same cores")
+                             "longer, its epochs as much: more peers on the same cores (default 2, quick: 1; two "
+                             "cores hold 256 peers at 2)")
     args = parser.parse_args()
     exit_on_sigterm()
     sizes = [int(x) for x in (args.sizes or ("16,64" if args.quick else "16,64,256")).split(",")]
-    duration = args.duration or (6.0 if args.quick else 40.0)
+    duration = args.duration or (5.0 if args.quick else 40.0)
     parts = set((args.parts or ("swarm,training,orchestrator" if args.quick else
                                 "swarm,training,orchestrator,moe")).split(","))
     training_sizes = [int(x) for x in (args.training_sizes or ("16" if args.quick else ",".join(map(str, sizes))))
                       .split(",")]
-    training_duration = args.training_duration or (14.0 if args.quick else 60.0)
-    out: dict = {"sizes": sizes}
+    training_duration = args.training_duration or (12.0 if args.quick else 150.0)
+    training_pace = args.training_pace or (1.0 if args.quick else 2.0)
+    out: dict = {"sizes": sizes, "training_pace": training_pace}
     by_n: dict[int, dict] = {}
     trained: dict[int, dict] = {}
     try:
@@ -280,7 +289,7 @@ def main() -> None:
         if "training" in parts:
             for n in training_sizes:
                 trained[n] = guarded(f"training_{n}", swarm, n, training_duration, True,
-                                     training_duration + 120 + n, False, "training", args.training_pace)
+                                     training_duration + 120 + n, False, "training", training_pace)
         if "orchestrator" in parts:
             kwargs = {"instances": 1000, "sample_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick}
             out["orchestrator"] = guarded("orchestrator", optional_part, "benchmarks._scale_orchestrator", kwargs)
@@ -292,7 +301,7 @@ def main() -> None:
              ("msgs_per_refresh", ".1f"), ("bytes_per_refresh", ".0f"), ("refreshes_per_peer_s", ".2f"),
              ("cpu_s_per_peer_s", ".3f"), ("mem_mb_per_peer", ".1f"), ("violations", "d")]
     rows = [(n, *(fmt(f.get(key), spec) for key, spec in cells), f.get("error", "")) for n, f in by_n.items()]
-    print_table([">6"] + [">12"] * len(cells),
+    print_table([">6"] + [">13"] * len(cells),
                 ["N", "peers", "epochs", "epoch s", "seen lag s", "msgs/refr", "bytes/refr", "refr/peer/s",
                  "cpu s/s/peer", "MB/peer", "violations"], rows, rule=True)
     out["swarm"] = by_n
@@ -321,6 +330,8 @@ def main() -> None:
             for kind in ("msgs", "bytes"):
                 key = f"control_{kind}_per_peer_epoch"
                 out[f"training_control_{kind}_per_peer_ratio_{top}_16"] = trained[top][key] / base[key]
+                key = f"control_{kind}_per_peer_refresh"
+                out[f"training_control_{kind}_per_peer_refresh_ratio_{top}_16"] = trained[top][key] / base[key]
     for name, part in (("orchestrator", orchestrator), ("moe", out.get("moe", {}))):
         print(f"{name}: " + ", ".join(f"{k} {fmt(v, '.3f') if isinstance(v, float) else v}"
                                       for k, v in part.items()))
