@@ -1,0 +1,109 @@
+"""A userspace TCP relay that delays what it carries: latency between emulated regions, where the
+kernel's netem is missing (``tc tbf``, which ``_netns.py`` installs, shapes rate but adds no delay).
+
+Every connection accepted on the relay's address is carried to ``target`` over a connection of its
+own; each chunk read from either side is written to the other ``delay_s`` seconds after it arrived,
+in order, so a request and its reply each take ``delay_s`` more: a round trip ``2 * delay_s`` more.
+Real bytes through real sockets; the relay reads ahead without limit while it waits, so it delays a
+stream without slowing it (rate is the tbf qdisc's job).  Run it in the namespace of the side that
+listens, or in the root namespace between two of them.
+
+Usage from a benchmark::
+
+    relay = DelayRelay(("10.213.0.11", 7000), delay_s=0.05)
+    host, port = await relay.start()    # connect here instead of to the target
+    ...
+    await relay.close()                 # every connection and task ends with it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+log = logging.getLogger(__name__)
+CHUNK = 1 << 16
+
+
+class DelayRelay:
+    def __init__(self, target: tuple[str, int], delay_s: float, host: str = "127.0.0.1", port: int = 0) -> None:
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s}")
+        self.target = target
+        self.delay_s = delay_s
+        self.host, self.port = host, port
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> tuple[str, int]:
+        """Listen; the address to connect to."""
+        self._server = await asyncio.start_server(self._accepted, self.host, self.port)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def close(self) -> None:
+        """Stop listening and cut every connection carried."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.ensure_future(self._carry(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _carry(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        """One accepted connection: a connection to the target, and both directions delayed."""
+        try:
+            target_r, target_w = await asyncio.open_connection(*self.target)
+        except OSError as e:
+            log.info("relay: target %s:%d unreachable: %s", *self.target, e)
+            client_w.close()
+            return
+        try:
+            await asyncio.gather(self._direction(client_r, target_w), self._direction(target_r, client_w))
+        finally:
+            for w in (client_w, target_w):
+                w.close()
+                with contextlib.suppress(OSError, asyncio.CancelledError):
+                    await w.wait_closed()
+
+    async def _direction(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Bytes from ``reader`` to ``writer``, each chunk ``delay_s`` after it arrived; end of stream last."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def read() -> None:
+            while True:
+                try:
+                    data = await reader.read(CHUNK)
+                except OSError:
+                    data = b""
+                queue.put_nowait((loop.time() + self.delay_s, data))
+                if not data:
+                    return
+
+        async def write() -> None:
+            while True:
+                due, data = await queue.get()
+                await asyncio.sleep(max(due - loop.time(), 0.0))
+                try:
+                    if not data:
+                        if writer.can_write_eof():
+                            writer.write_eof()
+                        return
+                    writer.write(data)
+                    await writer.drain()
+                except OSError:  # the other side is gone: nothing more to carry this way
+                    return
+
+        reading = asyncio.ensure_future(read())
+        try:
+            await write()
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
