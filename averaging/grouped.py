@@ -178,7 +178,7 @@ async def _declare_gone(averager: DecentralizedAverager, plan: GroupPlan, key: s
     """Our group at ``level`` will not go up: tell the leader of the group above, which would otherwise
     wait its whole patience for it (the top of a 256-peer swarm, 14 s at the defaults)."""
     counts = plan.levels
-    if level + 1 >= len(counts) or group < 0:
+    if level + 1 >= len(counts):
         return  # the top: nobody above waits
     above = level + 1
     parent_key = key if above == len(counts) - 1 else f"{key}.{above}.{plan.group_of(group, counts[above])}"

@@ -116,9 +116,9 @@ class Matchmaker:
         self._leading: _Leadership | None = None
         self._replicas = ReplicaSets(node, REPLICAS_REUSED_FOR)
         self._polls = _Polls([])
-        self._expected: list[PeerID] = []
-        self._gone_peers: set[PeerID] = set()
-        self._gone_units: set[int] = set()
+        self._planned = Planned()  # this call's: who should come
+        self._gone_peers: set[PeerID] = set()  # of the planned members, those that did not answer a ping
+        self._gone_units: set[int] = set()  # units of the level below declared gone under this call's key
         self._background: set[asyncio.Task] = set()
         self.p2p.register(self.method, self._rpc_join)
 
@@ -172,9 +172,7 @@ class Matchmaker:
         self._patience = self.min_matchmaking_time if patience is None else patience
         self._weight = weight
         self._planned = planned or Planned()
-        self._expected = [p for p in self._planned.members if p != self.me]
-        self._gone_peers: set[PeerID] = set()  # of _expected, those that did not answer
-        self._gone_units: set[int] = set()  # units of the level below declared gone under this key
+        self._gone_peers, self._gone_units = set(), set()
         declared_at = self.node.clock.now()  # compared with the others' declarations: the swarm's time
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
         key = self._dht_key(group_key)
@@ -229,11 +227,11 @@ class Matchmaker:
         except Exception as e:  # noqa: BLE001 - a courtesy: the leader's patience bounds its wait anyway
             logger.debug("could not declare unit %d of %s gone: %s", unit, group_key, e)
 
-    async def _probe_expected(self, lead: _Leadership) -> None:
-        """Ping the expected members that have not joined; those that do not answer are waited for no more.
+    async def _probe_planned(self, lead: _Leadership) -> None:
+        """Ping the planned members that have not joined; those that do not answer are waited for no more.
         One whose address we do not know is waited for: not knowing it is no sign it is gone."""
-        joined = {f.peer_id for f in lead.followers}
-        absent = [p for p in self._expected if p not in joined and self.node.known_address(p) is not None]
+        joined = {f.peer_id for f in lead.followers} | {self.me}
+        absent = [p for p in self._planned.members if p not in joined and self.node.known_address(p) is not None]
         timeout = min(self.request_timeout, 1.0)
         answers = await asyncio.gather(*(self.node.answers(p, timeout) for p in absent))
         self._gone_peers.update(p for p, alive in zip(absent, answers, strict=True) if not alive)
@@ -302,8 +300,8 @@ class Matchmaker:
                 if self._wanted(lead) < self._min_size:
                     lead.dismiss("too many of the planned members are gone")
                     raise _CannotForm  # it would never reach its quorum: no use waiting out the deadline
-                if probe is None and self._expected and now - started >= self.min_matchmaking_time:
-                    probe = asyncio.ensure_future(self._probe_expected(lead))
+                if probe is None and self._planned.members and now - started >= self.min_matchmaking_time:
+                    probe = asyncio.ensure_future(self._probe_planned(lead))
                 if now >= deadline:
                     lead.dismiss("leader ran out of time")
                     return None
@@ -317,7 +315,7 @@ class Matchmaker:
                         lead.dismiss("another peer leads this group")
                         return None
                 wake = min(next_check, started + self._patience, deadline)
-                if probe is None and self._expected:
+                if probe is None and self._planned.members:
                     wake = min(wake, started + self.min_matchmaking_time)
                 await wait_event(lead.changed, max(wake - loop.time(), 0))
                 lead.changed.clear()
