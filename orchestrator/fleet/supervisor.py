@@ -11,6 +11,7 @@ it also serves the newest checkpoint as a state donor, so new workers continue f
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -96,7 +97,8 @@ class SupervisorCore:
         self.policy = FleetPolicy(config, make_provider(config, self.clock, run_dir), self.clock, self.store,
                                   self._worker_control(), self._worker_args, boot_script=self._boot_script,
                                   to_real=self.clock.to_real)
-        self.policy.spend_margin_s = tick_s * 3 * scale  # a few ticks of spending in reserve
+        self._periods: collections.deque[float] = collections.deque(maxlen=50)  # the last ticks' start to start, s
+        self.policy.spend_margin_s = self._spend_margin()
         self.policy.log_dir = log_dir(run_dir).resolve()  # each instance's worker logs there
         self.policy.before_release = self._final_checkpoint  # the budget's release waits for it
         self._final_taken = False
@@ -213,8 +215,21 @@ class SupervisorCore:
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
         self._thread.start()
 
+    def _spend_margin(self) -> float:
+        """Spending held in reserve before the budget's total (simulated seconds at the fleet's rate): until
+        the next tick can release the fleet, three ticks apart, or twice the longest of the last ticks'
+        periods, whichever is longer: a busy head's ticks come late, and the instances spend meanwhile."""
+        longest = max(self._periods, default=0.0)
+        return max(3 * self.tick_s, 2 * longest) * self.clock.scale
+
     def _loop(self) -> None:
+        last: float | None = None
         while not self._stop.is_set():
+            began = time.monotonic()
+            if last is not None:
+                self._periods.append(began - last)
+                self.policy.spend_margin_s = self._spend_margin()
+            last = began
             try:
                 self.tick()
             except Exception:
@@ -353,12 +368,7 @@ class SupervisorCore:
         started = time.monotonic()
         if within_s is not None and within_s < MIN_FINAL_CHECKPOINT_S:
             # the calls to the workers alone take longer on a busy head: trying would overrun the budget
-            have = self.checkpoints.epoch
-            logger.warning("final checkpoint skipped: the budget leaves %.2f s; the last checkpoint is of epoch %s",
-                           within_s, have)
-            self.store.event("final_checkpoint_missed", detail={
-                "epoch": self.epoch, "checkpoint_epoch": have, "epochs_behind": self.epoch - (have or 0),
-                "reason": f"the budget leaves {within_s:.2f} s", "seconds": 0.0})
+            self._final_missed(f"the budget leaves {within_s:.2f} s", self.epoch, self.checkpoints.epoch, started)
             return
         timeout = self.config.checkpoint.final_timeout_s if within_s is None else \
             max(min(within_s, self.config.checkpoint.final_timeout_s), 0.0)
@@ -385,12 +395,7 @@ class SupervisorCore:
                 lambda n: asyncio.wait_for(self.state.download_from(donors, min_epoch=newest), left))
             path = self.checkpoints.save(epoch, state)
         except Exception as e:  # noqa: BLE001 - no peer in time, a full disk: the stop goes on regardless
-            why = str(e) or type(e).__name__
-            logger.warning("final checkpoint missed (%s); the last checkpoint is of epoch %s, the run stopped at "
-                           "epoch %d", why, have, stopped_at)
-            self.store.event("final_checkpoint_missed", detail={
-                "epoch": stopped_at, "checkpoint_epoch": have, "epochs_behind": stopped_at - (have or 0),
-                "reason": why[:500], "seconds": round(time.monotonic() - started, 3)})
+            self._final_missed(str(e) or type(e).__name__, stopped_at, have, started)
             self._record_stop_epoch(stopped_at, records)
             return
         self.checkpoints.keep(epoch, state, path, final=True)
@@ -401,6 +406,13 @@ class SupervisorCore:
             "epoch": epoch, "path": str(path), "written": True, "seconds": round(seconds, 3),
             "peers": {i: {"epoch": r["epoch"], "params": r["params"], "settled": r["settled"]}
                       for i, r in records.items()}})
+
+    def _final_missed(self, why: str, stopped_at: int, have: int | None, started: float) -> None:
+        logger.warning("final checkpoint missed (%s); the last checkpoint is of epoch %s, the run stopped at "
+                       "epoch %d", why, have, stopped_at)
+        self.store.event("final_checkpoint_missed", detail={
+            "epoch": stopped_at, "checkpoint_epoch": have, "epochs_behind": stopped_at - (have or 0),
+            "reason": why[:500], "seconds": round(time.monotonic() - started, 3)})
 
     def _record_stop_epoch(self, epoch: int, records: dict[str, dict]) -> None:
         """The peers' last step, which the view may not hold yet: the run's epoch at the stop is this one,
