@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import random
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from dht import DHT, DHTNode
-from p2p import CallKind, PeerID
+from p2p import CallKind, P2PError, PeerID
 from p2p.codecs import Codec
 from p2p.node import CallContext
 
@@ -31,6 +32,7 @@ from .partition import FlatTensors, chunk_size_problem
 from .reduction import DEFAULT_NORM_RATIO, all_finite
 
 logger = logging.getLogger(__name__)
+OUTCOMES_KEPT = 64  # recent rounds whose outcome a member can still ask us about
 
 
 @dataclass
@@ -130,6 +132,11 @@ class DecentralizedAverager:
         node.p2p.register(self.method, self._rpc_allreduce, CallKind.BIDI)
         self.probe_method = f"avg.probe.{prefix}"
         node.p2p.register(self.probe_method, ProbeSink(), CallKind.CLIENT_STREAM)
+        # group id -> (its members, whether our round with it came back complete), for members that ask
+        self._outcomes: OrderedDict[bytes, tuple[frozenset[PeerID], bool]] = OrderedDict()
+        self._outcome_known = asyncio.Condition()
+        self.outcome_method = f"avg.outcome.{prefix}"
+        node.p2p.register(self.outcome_method, self._rpc_outcome)
 
     @property
     def bandwidth(self) -> float:
@@ -271,6 +278,7 @@ class DecentralizedAverager:
             if watching is not None:
                 watching.cancel()
                 await asyncio.gather(watching, return_exceptions=True)
+        await self._record_outcome(group, not outcome.unaveraged)
         return StepResult(
             group_size=group.size,
             failed_peers=[group.peer_ids[i] for i in sorted(outcome.failed)],
@@ -320,10 +328,60 @@ class DecentralizedAverager:
                                           bool(first.get("nonfinite")), ctx.disconnect):
             yield payload
 
+    # ---- after a round: did the others get its average? -----------------------------------------
+    async def _record_outcome(self, group: GroupInfo, complete: bool) -> None:
+        self._outcomes[group.group_id] = (frozenset(group.peer_ids), complete)
+        while len(self._outcomes) > OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+        async with self._outcome_known:
+            self._outcome_known.notify_all()
+
+    async def _rpc_outcome(self, request: Any, ctx: CallContext) -> dict:
+        """Whether our round with group ``g`` came back complete; ``None`` when we cannot tell (not
+        a group of ours, or one we no longer remember).  A round still running is waited for."""
+        if not isinstance(request, dict) or not isinstance(request.get("g"), bytes):
+            raise ValueError("an outcome request is {'g': group id}")
+        group_id = request["g"]
+        if group_id in self._rounds:
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with self._outcome_known:
+                    await asyncio.wait_for(self._outcome_known.wait_for(lambda: group_id not in self._rounds),
+                                           self.request_timeout)
+        known = self._outcomes.get(group_id)
+        if known is None or ctx.peer_id not in known[0]:
+            return {"c": None}
+        return {"c": known[1]}
+
+    async def others_completed(self, result: StepResult, timeout: float | None = None) -> bool | None:
+        """Whether another member of the round ``result`` came from holds the group's average (and so
+        may have stepped on it): True if one says so, False if every other member says its round came
+        back incomplete, None if one could not tell.  A member whose round came back incomplete must
+        not average again for the same step while another may have stepped: a group counts with a
+        strict majority of the peers, and a member counted twice lets two groups step apart."""
+        group = result.group
+        if group is None:
+            return False
+        timeout = self.request_timeout if timeout is None else timeout
+        others = [group.addresses[i] or group.peer_ids[i] for i in range(group.size) if i != group.my_index]
+        answers = await asyncio.gather(*(self._ask_outcome(peer, group.group_id, timeout) for peer in others))
+        if True in answers:
+            return True
+        return None if None in answers else False
+
+    async def _ask_outcome(self, peer: Any, group_id: bytes, timeout: float) -> bool | None:
+        try:
+            reply = await self.node.p2p.call(peer, self.outcome_method, {"g": group_id}, timeout=timeout)
+        except P2PError as e:
+            logger.debug("could not ask %s how round %s ended: %s", peer, group_id.hex()[:8], e)
+            return None
+        answer = reply.get("c") if isinstance(reply, dict) else None
+        return answer if isinstance(answer, bool) else None
+
     async def shutdown(self) -> None:
         await self.matchmaker.close()
         self.node.p2p.unregister(self.method)
         self.node.p2p.unregister(self.probe_method)
+        self.node.p2p.unregister(self.outcome_method)
         for future in self._rounds.values():
             future.cancel()
         self._rounds.clear()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from averaging import Codec, DecentralizedAverager, GroupPlan, Planned, average_in_groups, quorum_of
+from averaging import Codec, DecentralizedAverager, GroupPlan, Planned, StepResult, average_in_groups, quorum_of
 from dht import DHT, DHTNode, SignatureValidator
 from p2p import P2PError, PeerID
 
@@ -68,6 +68,7 @@ class _Averaged:
     why: str = ""  # why not complete, as the log line's tail
     matchmaking_time: float = 0.0
     allreduce_time: float = 0.0
+    step: StepResult | None = None  # the one-group round this came from (None: no round, or a grouped one)
 
 
 @dataclass
@@ -126,6 +127,9 @@ class CollaborativeOptimizer:
         self._next_reconnect = 0.0  # monotonic time before which we do not try _reconnect_if_isolated again
         self._silent: dict[PeerID, float] = {}  # peers that did not answer, with the record time they had then
         self._answering = 0  # how many stale peers answered last time (logged when it changes)
+        # (epoch, monotonic time): after a round that failed us but that another member may have stepped
+        # on, we average for that epoch again only from then on (unless we load the others' state first)
+        self._held: tuple[int, float] | None = None
         # held while parameters, optimizer state and epoch change together, and while a donor snapshots
         # them (on another thread): a state served mid-step would label one epoch's parameters with another
         self._state_lock = threading.Lock()
@@ -185,7 +189,7 @@ class CollaborativeOptimizer:
         if away:
             self._rejoin()
             return False
-        if not progress.ready:
+        if not progress.ready or self._holding():
             return False
         if progress.live_peers <= 1 and time.monotonic() < self._alone_not_before:
             return False  # our view of the others may be as old as our absence: wait for theirs to refresh
@@ -282,6 +286,7 @@ class CollaborativeOptimizer:
             logger.info("epoch %d: could not average with the other %d live peers%s; will load their state",
                         self.epoch, live - 1, why)
             self._restore_accumulated()
+            self._hold_if_others_stepped(result)
             return False
         for p, host in zip(self.params, self.host_buffers, strict=True):
             p.grad = host.view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
@@ -297,6 +302,34 @@ class CollaborativeOptimizer:
         self._report(force=True)
         self._advertise()
         return True
+
+    def _hold_if_others_stepped(self, result: _Averaged) -> None:
+        """A group counts with a strict majority of the live peers, each peer counted once an epoch: a
+        member whose round failed it but not the others, averaging again for the same epoch, would
+        count twice, and let a second group step apart from the first.  Unless every other member of
+        our round says it failed them too, wait for the others' state for a freshness period (they
+        report and advertise their next epoch at once); average again only if none turns up."""
+        if result.step is None:
+            return
+        timeout = min(self.averager.request_timeout, self.tracker.fresh_for / 2)
+        others = self._call(lambda n: self.averager.others_completed(result.step, timeout))
+        if others is False:
+            return
+        logger.info("epoch %d: %s of our round may have stepped; waiting for its state before averaging again",
+                    self.epoch, "a member" if others else "a member that did not answer")
+        self._held = (self.epoch, time.monotonic() + self.tracker.fresh_for)
+
+    def _holding(self) -> bool:
+        """Whether we wait for the state of a member of our last round instead of averaging again."""
+        if self._held is None:
+            return False
+        epoch, until = self._held
+        if epoch == self.epoch and time.monotonic() < until:
+            return True
+        if epoch == self.epoch:
+            logger.info("epoch %d: nobody reported the next epoch; averaging for this one again", epoch)
+        self._held = None
+        return False
 
     def _stale_peers_answering(self) -> int:
         """How many of the peers whose records went stale still answer a ping.  A record is late when
@@ -365,7 +398,8 @@ class CollaborativeOptimizer:
                                                   planned=Planned(tuple(self.tracker.members(self.epoch))))
                 outcome = _Averaged(result.complete, result.group_size, result.group_id,
                                     f" (parts {result.unaveraged_parts} did not come back)" if result.averaged else "",
-                                    result.matchmaking_time, result.allreduce_time)
+                                    result.matchmaking_time, result.allreduce_time,
+                                    result if result.averaged else None)
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)

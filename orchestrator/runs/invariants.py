@@ -230,18 +230,19 @@ class ParamsAgreement:
         self.digests: dict[int, dict[str, tuple[str, str, float]]] = {}
         self.last_seen: dict[str, float] = {}  # peer -> its newest epoch record's time
         self.rolled_back: set[int] = set()  # epochs completed again after the whole fleet was lost
+        self.diverged: set[int] = set()  # epochs already reported as violations (histories are read whole)
 
     def observe(self, peer: str, history: Iterable[dict]) -> None:
         """A peer's epoch records (``epoch``, ``params``, ``group``, ``time``)."""
         for record in history:
-            if "params" not in record:
+            if "params" not in record or record["epoch"] in self.diverged:
                 continue
             seen = self.digests.setdefault(record["epoch"], {})
             seen[peer] = (record["params"], record.get("group") or "-", record["time"])
             self.last_seen[peer] = max(self.last_seen.get(peer, 0.0), record["time"])
 
     def judge(self) -> list[Violation]:
-        """Each epoch whose peers disagree, judged once: a violation if two of them trained together."""
+        """Each epoch whose peers disagree: a violation (reported once) if two of them trained together."""
         out = []
         for epoch, by_peer in list(self.digests.items()):
             if len({digest for digest, _, _ in by_peer.values()}) < 2:
@@ -251,9 +252,11 @@ class ParamsAgreement:
                         if min(self.last_seen[a], self.last_seen[b]) >= max(by_peer[a][2], by_peer[b][2])]
             detail = {i: f"{d} (group {g})" for i, (d, g, _) in by_peer.items()}
             if together:
+                self.diverged.add(epoch)
+                self.rolled_back.discard(epoch)
                 out.append(Violation("equal_params", f"after epoch {epoch} peers hold different "
                                                      f"parameters: {json.dumps(detail)}"))
             else:
                 self.rolled_back.add(epoch)
-            self.digests[epoch] = {}  # judged once
+            self.digests[epoch] = {}  # judged again on the next read: what looked a rollback may prove not one
         return out

@@ -410,3 +410,28 @@ async def test_alone_the_step_reports_no_group_and_changes_nothing(swarm):
         assert all(torch.equal(a, b) for a, b in zip(averager.tensors, before, strict=True))
     finally:
         await averager.shutdown()
+
+
+async def test_members_tell_each_other_how_a_round_ended_and_tell_strangers_nothing(swarm):
+    nodes = await swarm(4)
+    averagers = await make_averagers(nodes[:3], [data(i) for i in range(3)], min_matchmaking_time=5.0)
+    stranger = nodes[3]
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        assert all(r.complete for r in results)
+        assert [await a.others_completed(r) for a, r in zip(averagers, results, strict=True)] == [True] * 3
+        group_id = bytes.fromhex(results[0].group_id)
+        # a stranger learns nothing of a round it was not in; a malformed question gets a named error
+        reply = await stranger.p2p.call(nodes[0].address, averagers[0].outcome_method, {"g": group_id}, timeout=5)
+        assert reply == {"c": None}
+        with pytest.raises(P2PError, match="an outcome request is"):
+            await stranger.p2p.call(nodes[0].address, averagers[0].outcome_method, {"g": "x"}, timeout=5)
+        # members whose round came back incomplete say so: nobody stepped on it
+        for a in averagers[1:]:
+            a._outcomes[group_id] = (a._outcomes[group_id][0], False)
+        assert await averagers[0].others_completed(results[0]) is False
+        # a member that cannot answer may have stepped: nobody can tell
+        await averagers[2].shutdown()
+        assert await averagers[0].others_completed(results[0], timeout=1.0) is None
+    finally:
+        await shutdown_all(averagers[:2])
