@@ -60,7 +60,8 @@ class Traffic:
         """The sum over every method, or over the methods starting with one of ``prefixes``."""
         wanted = None if prefixes is None else tuple(prefixes)
         out = MethodTraffic()
-        for method, entry in self.by_method.items():
+        # a snapshot of the items (one C call): another thread may read the totals while the loop counts
+        for method, entry in list(self.by_method.items()):
             if wanted is None or method.startswith(wanted):
                 out = out + entry
         return out

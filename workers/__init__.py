@@ -1,4 +1,4 @@
-"""workers: one training peer — a task, the DeDLOC collaborative optimizer, Moshpit SGD, state
+"""workers: one training peer — a task, the DeDLOC collaborative optimizer, DiLoCo, Moshpit SGD, state
 hand-off to newcomers and graceful leave on a preemption notice — and the expert host, the
 expert-server role of a mixture-of-experts run.
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_HOMES = {"CollaborativeOptimizer": ".collaborative", "ExpertGridSpec": ".expert_host", "ExpertHost": ".expert_host",
+_HOMES = {"CollaborativeOptimizer": ".collaborative", "DiLoCoOptimizer": ".diloco", "ExpertGridSpec": ".expert_host",
+          "ExpertHost": ".expert_host",
           "ExpertHostConfig": ".expert_host", "HandOff": ".expert_host", "MoshpitSGD": ".moshpit_sgd",
           "TrainingPeer": ".peer", "Task": ".task", "load_task": ".task", "WorkerConfig": ".worker_config"}
 

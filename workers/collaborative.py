@@ -130,6 +130,7 @@ class CollaborativeOptimizer:
         # (epoch, monotonic time): after a round that failed us but that another member may have stepped
         # on, we average for that epoch again only from then on (unless we load the others' state first)
         self._held: tuple[int, float] | None = None
+        self.comm_seconds = 0.0  # spent averaging and downloading state, not computing: the dashboard's split
         # held while parameters, optimizer state and epoch change together, and while a donor snapshots
         # them (on another thread): a state served mid-step would label one epoch's parameters with another
         self._state_lock = threading.Lock()
@@ -237,10 +238,7 @@ class CollaborativeOptimizer:
             self._report(force=True)
 
     def _accumulate(self, batch_size: int, loss: float | None) -> None:
-        for p, buf in zip(self.params, self.grad_buffers, strict=True):
-            if p.grad is not None:
-                buf.add_(p.grad)
-                p.grad = None
+        self._take_micro_step()
         self.local_samples += batch_size
         self.local_steps += 1
         self.last_loss = loss if loss is not None else self.last_loss
@@ -250,10 +248,33 @@ class CollaborativeOptimizer:
             self._throughput = rate if self._throughput == 0 else 0.8 * self._throughput + 0.2 * rate
         self._last_step_time = now
 
-    def _global_step(self, progress: GlobalProgress) -> bool:
+    def _take_micro_step(self) -> None:
+        """Fold this micro-batch's gradients into the epoch's sum."""
+        for p, buf in zip(self.params, self.grad_buffers, strict=True):
+            if p.grad is not None:
+                buf.add_(p.grad)
+                p.grad = None
+
+    def _fill_buffers(self) -> None:
+        """What the round averages: our mean gradient per micro-batch (weighted by samples in the round)."""
         if self.local_steps:
-            for buf in self.grad_buffers:  # mean gradient per micro-batch; weighted by samples below
+            for buf in self.grad_buffers:
                 buf.div_(self.local_steps)
+
+    def _round_weight(self) -> float:
+        """What we weigh in the round: the samples behind what we contribute."""
+        return float(self.local_samples)
+
+    def _apply_average(self) -> None:
+        """The global step on what the round gave us (``_state_lock`` held)."""
+        for p, host in zip(self.params, self.host_buffers, strict=True):
+            p.grad = host.view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _global_step(self, progress: GlobalProgress) -> bool:
+        self._fill_buffers()
         if self.grad_buffers is not self.host_buffers:
             for host, buf in zip(self.host_buffers, self.grad_buffers, strict=True):
                 host.copy_(buf)
@@ -271,6 +292,7 @@ class CollaborativeOptimizer:
             # wait for every live peer, including one whose record still shows the previous epoch
             # (it is about to report this one); the matchmaking time bounds the wait for a dead one
             result, stood_still = self._call(lambda n: self._average(live))
+            self.comm_seconds += time.monotonic() - started
             if stood_still <= self.tracker.fresh_for:
                 # a round that took longer than a record stays fresh is no absence: the watcher kept our
                 # record fresh and saw no pause, so the next step must not rejoin for it (after a real
@@ -285,15 +307,11 @@ class CollaborativeOptimizer:
             why = f" (stood still for {stood_still:.1f} s)" if result.complete else result.why
             logger.info("epoch %d: could not average with the other %d live peers%s; will load their state",
                         self.epoch, live - 1, why)
-            self._restore_accumulated()
+            self._restore_buffers()
             self._hold_if_others_stepped(result)
             return False
-        for p, host in zip(self.params, self.host_buffers, strict=True):
-            p.grad = host.view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
         with self._state_lock:
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+            self._apply_average()
             self.epoch += 1
         self.history.append(EpochReport(self.epoch - 1, result.group_size, self.local_samples, self.last_loss,
                                         time.monotonic() - started, result.group_id, result.matchmaking_time,
@@ -372,7 +390,7 @@ class CollaborativeOptimizer:
         abort = asyncio.Event()
         beats = _Beats(time.monotonic())
         watcher = asyncio.create_task(self._watch_epoch(abort, beats))
-        weight, key = float(self.local_samples), f"e{self.epoch}"
+        weight, key = self._round_weight(), f"e{self.epoch}"
         try:
             if self.grouped:
                 plan = GroupPlan.of([*self.tracker.members(self.epoch), self.dht.peer_id], self.max_group_size)
@@ -421,7 +439,8 @@ class CollaborativeOptimizer:
                 refreshed = time.monotonic()
                 self.tracker.publish(last.model_copy(update={"time": self.tracker.now()}))
 
-    def _restore_accumulated(self) -> None:
+    def _restore_buffers(self) -> None:
+        """Undo ``_fill_buffers``: the epoch's sum again, to go on accumulating into."""
         if self.local_steps:
             for buf in self.grad_buffers:
                 buf.mul_(self.local_steps)
@@ -435,6 +454,20 @@ class CollaborativeOptimizer:
         self.local_steps = 0
 
     # ---- state hand-off ------------------------------------------------------------------------
+    @property
+    def served_parameters(self) -> list[torch.Tensor]:
+        """The parameters a newcomer loads from us and a checkpoint holds."""
+        return self.params
+
+    def _install_state(self, state: dict) -> None:
+        """A donor's state in place of ours (``_state_lock`` held)."""
+        with torch.no_grad():
+            for p, value in zip(self.params, state["params"], strict=True):
+                p.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
     def _state_snapshot(self) -> tuple[int, Any]:
         """Called by the StateSharer with ``_state_lock`` held."""
         state = {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
@@ -448,6 +481,7 @@ class CollaborativeOptimizer:
 
     def _load_state_if_any(self, min_epoch: int = 0) -> bool:
         self._downloading = True
+        started = time.monotonic()
         try:
             epoch, state = self._call(lambda n: self.state.download(min_epoch))
         except StateUnavailable as e:
@@ -455,16 +489,14 @@ class CollaborativeOptimizer:
             return False
         finally:
             self._downloading = False
-        with self._state_lock, torch.no_grad():
-            for p, value in zip(self.params, state["params"], strict=True):
-                p.copy_(value)
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.scheduler is not None and state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
+            self.comm_seconds += time.monotonic() - started
+        with self._state_lock:
+            self._install_state(state)
             self.epoch = epoch
         self._reset_accumulators()
         self._advertise()  # a donor for the next newcomer at this epoch
-        logger.info("loaded state of epoch %d from peers (parameters %s)", epoch, params_digest(self.params))
+        logger.info("loaded state of epoch %d from peers (parameters %s)", epoch,
+                    params_digest(self.served_parameters))
         return True
 
     def _probe_upload(self) -> None:

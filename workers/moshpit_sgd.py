@@ -33,6 +33,7 @@ class MoshpitSGD:
         self.samples = 0
         self.last_loss: float | None = None
         self._last_report = 0.0
+        self.comm_seconds = 0.0  # spent averaging, not computing
         copies = [p.detach().float().clone() for p in self.params]
         signer = _signer(dht)
         # the grid sets the group size (max(grid) peers meet per round); max_group_size only caps it
@@ -84,7 +85,9 @@ class MoshpitSGD:
             averager.round = max(averager.round, swarm)
             return await averager.step(timeout=self.averaging_timeout)
 
+        started = time.monotonic()
         result = self.dht.run_coroutine(run)
+        self.comm_seconds += time.monotonic() - started
         self.last_result = result
         if result.averaged:
             with torch.no_grad():

@@ -24,6 +24,7 @@ from p2p.devices import pick_device
 from p2p.membership import Certificate, Membership
 
 from .collaborative import CollaborativeOptimizer
+from .diloco import DiLoCoOptimizer
 from .moshpit_sgd import MoshpitSGD
 from .run_keys import run_validators
 from .state import params_digest as params_digest  # where it always was, for importers
@@ -90,6 +91,8 @@ class TrainingPeer:
         self._epoch_s: float | None = None  # how long the last global epoch took, seen from here
         self._report = Path(config.report_file).open("a") if config.report_file else None
         self.history: deque[dict] = deque(maxlen=10_000)  # the per-epoch records, newest last
+        self._samples_total = 0  # samples this peer trained on since it started
+        self._train_started: float | None = None  # monotonic, when the training loop began
 
     def join(self) -> None:
         """Take part in the run: load the swarm's state and report progress from now on (a standby's
@@ -97,7 +100,14 @@ class TrainingPeer:
         if self.optimizer is not None:
             return
         config = self.config
-        if config.mode == "collaborative":
+        if config.mode == "diloco":
+            self.optimizer = DiLoCoOptimizer(
+                self._local_optimizer, self.dht, config.run,
+                config.inner_steps * self.task.batch_size * config.round_peers, scheduler=self._scheduler,
+                outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, compression=config.compression,
+                min_matchmaking_time=config.min_matchmaking_time, averaging_timeout=config.averaging_timeout,
+                bandwidth=config.bandwidth, swarm_size=config.swarm_size)
+        elif config.mode == "collaborative":
             self.optimizer = CollaborativeOptimizer(
                 self._local_optimizer, self.dht, config.run, config.target_batch_size, scheduler=self._scheduler,
                 compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
@@ -141,10 +151,12 @@ class TrainingPeer:
         cfg = self.config
         assert self.optimizer is not None
         self._wait_for_peers()
-        started = time.monotonic()
+        started = self._train_started = time.monotonic()
         batches = self.task.batches(cfg.seed)
         samples, window_start, losses = 0, time.monotonic(), []
         epoch_started = time.monotonic()
+        progress_losses: list[float] = []  # since the last progress line (report_every_s)
+        next_progress = time.monotonic() + (cfg.report_every_s or 0.0)
         while not self._stop.is_set():
             if self._leave_at is not None and time.monotonic() >= self._leave_at:
                 break
@@ -161,7 +173,9 @@ class TrainingPeer:
                 continue
             loss.backward()
             losses.append(loss.item())
+            progress_losses.append(losses[-1])
             samples += self.task.batch_size
+            self._samples_total += self.task.batch_size
             epoch_before = self.epoch
             self.optimizer.step(self.task.batch_size, loss.item())
             if self.epoch != epoch_before:
@@ -172,6 +186,10 @@ class TrainingPeer:
                 samples, window_start, losses = 0, now, []
                 if self._leave_at is not None and now + self._epoch_s > self._leave_at:
                     break  # another epoch would not fit before we must go: leave between rounds
+            if cfg.report_every_s is not None and time.monotonic() >= next_progress:
+                next_progress = time.monotonic() + cfg.report_every_s
+                self._log_progress(sum(progress_losses) / len(progress_losses))
+                progress_losses = []
 
     def renew_membership(self, token: str) -> None:
         """Take a renewed certificate (before the current one expires): new and open connections
@@ -217,7 +235,7 @@ class TrainingPeer:
         peers = self._peers()
         logger.info("epoch %d loss %.4f samples/s %.1f peers %d", self.epoch, loss, samples_per_second, peers)
         record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
-                  "time": time.time()}
+                  "time": time.time(), **self.costs()}
         record.update(self._moe_record())
         if self._report is not None or self.config.param_digests:  # hashing every parameter is not free
             record["params"] = params_digest(list(self.model.parameters()))
@@ -225,6 +243,21 @@ class TrainingPeer:
             record["group"] = getattr(steps[-1], "group_id", None) if steps else None  # who it averaged with
         self.history.append(record)
         if self._report is not None:
+            self._report.write(json.dumps(record) + "\n")
+            self._report.flush()
+
+    def costs(self) -> dict:
+        """What training cost this peer so far: samples, bytes sent (every call, the DHT's included),
+        seconds spent averaging or downloading state instead of computing, and seconds since it
+        started training (from any thread)."""
+        busy = time.monotonic() - self._train_started if self._train_started is not None else 0.0
+        return {"samples_total": self._samples_total, "bytes_sent": self.dht.node.p2p.traffic.total().bytes_out,
+                "comm_s": round(getattr(self.optimizer, "comm_seconds", 0.0), 4), "busy_s": round(busy, 3)}
+
+    def _log_progress(self, loss: float) -> None:
+        """A line of the report between epochs (``report_every_s``): the loss since the last line."""
+        if self._report is not None:
+            record = {"kind": "progress", "epoch": self.epoch, "loss": loss, "time": time.time(), **self.costs()}
             self._report.write(json.dumps(record) + "\n")
             self._report.flush()
 
@@ -269,7 +302,8 @@ class TrainingPeer:
         if not settled:
             logger.warning("training loop did not stop within %.1f s", timeout)
         optimizer = self.optimizer
-        params = list(getattr(optimizer, "params", None) or self.model.parameters())
+        served = getattr(optimizer, "served_parameters", None) or getattr(optimizer, "params", None)
+        params = list(served or self.model.parameters())
         record = {"epoch": self.epoch, "params": params_digest(params), "settled": settled, "address": self.address,
                   "loss": self.history[-1]["loss"] if self.history else None}
         logger.info("stopped stepping at epoch %d (parameters %s)", record["epoch"], record["params"])

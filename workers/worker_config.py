@@ -20,7 +20,8 @@ class WorkerConfig(pydantic.BaseModel):
     task: str = pydantic.Field("synthetic", description=f"built-in task ({', '.join(BUILTIN_TASK_NAMES)}) or "
                                "module.path:callable")
     task_options: dict[str, Any] = pydantic.Field({}, description="keyword arguments of the task's factory")
-    mode: Literal["collaborative", "moshpit"] = pydantic.Field("collaborative", description="how peers combine work")
+    mode: Literal["collaborative", "moshpit", "diloco"] = pydantic.Field(
+        "collaborative", description="how peers combine work")
     initial_peers: list[str] = pydantic.Field([], description="peers to join through")
     host: str = pydantic.Field("127.0.0.1", description="address to listen on")
     announce_host: str | None = pydantic.Field(None, description="the address other machines reach (default: host)")
@@ -42,6 +43,11 @@ class WorkerConfig(pydantic.BaseModel):
         16, ge=2, description="the largest averaging group: collaborative runs with more live peers average in "
         "groups of groups (averaging/grouped.py); moshpit: also at most max(moshpit_grid)")
     averaging_period: int = pydantic.Field(10, gt=0, description="local steps between Moshpit averaging rounds")
+    inner_steps: int = pydantic.Field(50, ge=1, description="diloco: inner steps per peer and outer round")
+    round_peers: int = pydantic.Field(1, ge=1, description="diloco: the peers a round is sized for (its samples: "
+                                      "inner_steps x the task's batch x round_peers)")
+    outer_lr: float = pydantic.Field(0.7, gt=0, allow_inf_nan=False, description="diloco: the outer SGD's rate")
+    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="diloco: the outer SGD's Nesterov momentum")
     max_epochs: int | None = pydantic.Field(None, gt=0, description="stop after this many global epochs")
     max_seconds: float | None = pydantic.Field(None, gt=0, description="stop after this many seconds")
     seed: int = pydantic.Field(0, description="this peer's data order (the initial weights come from the run)")
@@ -50,6 +56,8 @@ class WorkerConfig(pydantic.BaseModel):
     min_peers: int = pydantic.Field(1, ge=1, description="wait until this many peers are up before training")
     min_peers_timeout: float = pydantic.Field(120.0, gt=0, description="seconds to wait for min_peers at most")
     report_file: str | None = pydantic.Field(None, description="append one JSON line per epoch")
+    report_every_s: float | None = pydantic.Field(None, gt=0, description="also append a progress line "
+                                                  '({"kind": "progress", ...}: the loss since the last one) this often')
     param_digests: bool = pydantic.Field(False, description="keep a digest of all parameters per epoch in history")
     membership_token: str | None = pydantic.Field(None, description="the run's certificate for this peer "
                                                   "(spotswarm token issue): with it, only members take part")

@@ -194,7 +194,14 @@ class TrainingConfig(_Strict):
     task: str = "synthetic"
     task_options: dict[str, Any] = {}  # keyword arguments of the task's factory (e.g. moe-charlm's layers, context)
     target_batch_size: int = pydantic.Field(256, gt=0)
-    averaging: Literal["collaborative", "moshpit"] = "collaborative"
+    # how peers combine their work; "mode" is accepted for it too
+    averaging: Literal["collaborative", "moshpit", "diloco"] = pydantic.Field(
+        "collaborative", validation_alias=pydantic.AliasChoices("averaging", "mode"))
+    # diloco: each peer's inner steps per outer round (the round's samples: inner_steps x the task's
+    # batch x the trainers' min_workers), and the outer SGD's learning rate and Nesterov momentum
+    inner_steps: int = pydantic.Field(50, ge=1)
+    outer_lr: float = pydantic.Field(0.7, gt=0, allow_inf_nan=False)
+    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1)
     group_size: int = pydantic.Field(16, ge=2)
     grid: list[int] = [2, 2]
     # "fp16" is the name "float16" had before the codecs were unified: accepted until the next release
@@ -365,6 +372,10 @@ class ClusterConfig(_Strict):
         """The fleet's node types that train (not expert servers)."""
         return {name: nt for name, nt in self.fleet_types().items() if nt.role == "trainer"}
 
+    def min_trainers(self) -> int:
+        """The trainers a run keeps up: a DiLoCo round is sized for them."""
+        return max(1, sum(nt.min_workers for nt in self.trainer_types().values()))
+
     def max_trainers(self) -> int:
         """Trainers at most: every warm spare may be training while the peers it replaces leave."""
         return sum(nt.max_workers + nt.warm_spares for nt in self.trainer_types().values())
@@ -387,7 +398,8 @@ class ClusterConfig(_Strict):
                             target_batch_size=t.target_batch_size, compression=t.compression,
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
                             moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
-                            swarm_size=self.max_trainers(),
+                            swarm_size=self.max_trainers(), inner_steps=t.inner_steps, outer_lr=t.outer_lr,
+                            outer_momentum=t.outer_momentum, round_peers=self.min_trainers(),
                             param_digests=t.param_digests, **extra)
 
     def expert_host_config(self, initial_peers: list[str], node_type: str | None = None,

@@ -307,6 +307,7 @@ class SupervisorCore:
                 self.experts.tick()
             self._renew_certificates()
             self._record_progress()
+            self._record_costs()
             self.checkpoints.maybe(now, start=not self._stop.is_set())
             self.checkpoints.refresh_advert()
 
@@ -339,6 +340,16 @@ class SupervisorCore:
         self.store.progress(epoch, sum(losses) / len(losses) if losses else None,
                             sum(p.samples_per_second for p in current), max(fresh, 1),
                             epoch * self.config.training.target_batch_size)
+
+    def _record_costs(self) -> None:
+        """The trainers' totals their status answers brought (bytes per sample, time averaging)."""
+        take = getattr(self.policy.workers, "take_costs", None)
+        for instance_id, c in (take() if take is not None else {}).items():
+            try:
+                self.store.peer_costs(instance_id, int(c["samples_total"]), int(c["bytes_sent"]), float(c["comm_s"]),
+                                      float(c["busy_s"]))
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("instance %s reported costs that do not parse (%s): %r", instance_id, e, c)
 
     def _record_first_steps(self, peers: dict) -> None:
         """An instance's first averaged step: its peer's epoch moves past the one it started at

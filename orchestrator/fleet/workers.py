@@ -40,6 +40,7 @@ class RayWorkers:
         self._next_alive_check: dict[str, float] = {}
         self._worker_node: dict[str, str] = {}  # instance id -> the Ray node its worker last answered from
         self._handles: dict[str, Any] = {}  # instance id -> its worker actor (a name lookup is a GCS call)
+        self._costs: dict[str, dict] = {}  # instance id -> its trainer's newest cost totals, not yet recorded
 
     def _actor(self, instance: Instance) -> Any:
         return self.handle(instance.id)
@@ -151,7 +152,19 @@ class RayWorkers:
                 answers[instance_id] = ray.get(ref)
             except Exception:  # killed meanwhile: look the name up again next time
                 self._handles.pop(instance_id, None)
+            else:
+                self._note_costs(instance_id, answers[instance_id])
         return answers
+
+    def _note_costs(self, instance_id: str, status: dict) -> None:
+        if isinstance(status.get("costs"), dict):
+            self._costs[instance_id] = status["costs"]
+
+    def take_costs(self) -> dict[str, dict]:
+        """The trainers' cost totals their status answers carried since the last call (see
+        ``TrainingPeer.costs``): what the dashboard's bytes per sample and time split come from."""
+        costs, self._costs = self._costs, {}
+        return costs
 
     def poll_left(self, instance_ids: list[str]) -> list[str]:
         return [i for i, status in self._statuses(self._left_checks, instance_ids).items() if status["left"]]
@@ -197,7 +210,9 @@ class RayWorkers:
             instance_id = refs[ref]
             del self._alive_checks[instance_id]
             try:
-                self._worker_node[instance_id] = ray.get(ref)["node_id"]
+                status = ray.get(ref)
+                self._worker_node[instance_id] = status["node_id"]
+                self._note_costs(instance_id, status)
             except ray.exceptions.ActorDiedError:
                 self._handles.pop(instance_id, None)
                 dead.append(instance_id)

@@ -135,6 +135,8 @@ class WorkerCore:
                   "peer_id": str(peer.dht.peer_id) if peer else None, "address": peer.address if peer else None}
         if host is not None:
             status.update(role="experts", peer_id=host.peer_id, address=host.address, hosted=host.hosted())
+        elif peer is not None and peer.optimizer is not None:
+            status["costs"] = peer.costs()
         return status
 
     def stop_stepping(self, timeout: float) -> dict | None:

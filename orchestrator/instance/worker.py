@@ -51,5 +51,7 @@ def run(config: WorkerConfig) -> int:
         peer.run()
     finally:
         peer.prepare_to_leave(deadline=config.averaging_timeout)
-    logger.info("left at epoch %d", peer.epoch)
+    traffic = sorted(peer.dht.node.p2p.traffic.by_method.items(), key=lambda kv: -kv[1].bytes_out)
+    logger.info("left at epoch %d; sent %s", peer.epoch,
+                ", ".join(f"{method or 'handshakes'} {t.bytes_out / 1e6:.2f} MB" for method, t in traffic[:6]))
     return 0

@@ -285,13 +285,20 @@ class InstanceRow:
     dollars: float
     ended: str  # preempted, died, released, budget, lost, or running
     noticed: bool
+    bytes_per_sample: float | None = None  # a trainer's: every byte it sent over the samples it trained
+    comm_fraction: float | None = None  # of its training time, the part spent averaging or loading state
 
 
 def instance_rows(store: RunStore, now: float) -> list[InstanceRow]:
     start = run_start(store)
-    return [InstanceRow(i.id, i.node_type, i.zone, i.market, i.price_per_hour, i.launched_at - start,
-                        i.seconds(now), i.cost(now), i.end_reason or "running", i.notice_at is not None)
-            for i in store.instances()]
+    costs = store.peer_cost_rows()
+    rows = []
+    for i in store.instances():
+        samples, sent, comm, busy = costs.get(i.id, (0, 0, 0.0, 0.0))
+        rows.append(InstanceRow(i.id, i.node_type, i.zone, i.market, i.price_per_hour, i.launched_at - start,
+                                i.seconds(now), i.cost(now), i.end_reason or "running", i.notice_at is not None,
+                                sent / samples if samples else None, comm / busy if busy > 0 else None))
+    return rows
 
 
 # ---- experts -----------------------------------------------------------------------------------

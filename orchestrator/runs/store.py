@@ -38,6 +38,10 @@ CREATE TABLE IF NOT EXISTS progress (
     samples INTEGER
 );
 CREATE TABLE IF NOT EXISTS checkpoints (time REAL NOT NULL, epoch INTEGER NOT NULL, path TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS peer_costs (
+    instance_id TEXT PRIMARY KEY, time REAL NOT NULL, samples INTEGER NOT NULL, bytes_sent INTEGER NOT NULL,
+    comm_s REAL NOT NULL, busy_s REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS experts (
     time REAL NOT NULL, live INTEGER NOT NULL, grid INTEGER NOT NULL, min_replicas INTEGER NOT NULL,
     mean_replicas REAL NOT NULL, requests_per_second REAL, rows_per_batch REAL, calls INTEGER NOT NULL,
@@ -284,6 +288,17 @@ class RunStore:
                     points: int | None = None) -> list[tuple]:
         """The experts' samples in time order (see ``progress_rows``)."""
         return self._series("experts", since, until, points)
+
+    def peer_costs(self, instance_id: str, samples: int, bytes_sent: int, comm_s: float, busy_s: float) -> None:
+        """A trainer's totals so far, as it reported them: samples, bytes it sent, seconds averaging
+        or downloading state, seconds since it started training (the newest report replaces the last)."""
+        self._write("INSERT OR REPLACE INTO peer_costs VALUES (?, ?, ?, ?, ?, ?)",
+                    (instance_id, self.clock(), samples, bytes_sent, comm_s, busy_s))
+
+    def peer_cost_rows(self) -> dict[str, tuple[int, int, float, float]]:
+        """instance id -> (samples, bytes sent, communication seconds, training seconds)."""
+        rows = self.db.execute("SELECT instance_id, samples, bytes_sent, comm_s, busy_s FROM peer_costs").fetchall()
+        return {row[0]: tuple(row[1:]) for row in rows}
 
     def checkpoint(self, epoch: int, path: Path) -> None:
         self._write("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))

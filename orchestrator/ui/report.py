@@ -89,9 +89,11 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
                    f"${g.on_demand_dollars:.4f}"] for g in costs])
         + "<h2>Instances</h2>"
         + _table(["instance", "node type", "zone", "market", "$/hour", "launched (min)", "lifetime (min)", "cost",
-                  "how it ended"],
+                  "bytes sent / sample", "averaging (% of time)", "how it ended"],
                  [[i.id, i.node_type, i.zone, i.market, f"{i.price_per_hour:.3f}", f"{i.launched_s / 60:.1f}",
-                   f"{i.lifetime_s / 60:.1f}", f"${i.dollars:.4f}", i.ended] for i in instances]))
+                   f"{i.lifetime_s / 60:.1f}", f"${i.dollars:.4f}",
+                   "-" if i.bytes_per_sample is None else f"{i.bytes_per_sample:.0f}",
+                   "-" if i.comm_fraction is None else f"{100 * i.comm_fraction:.0f}", i.ended] for i in instances]))
     index = out_dir / "index.html"
     index.write_text(f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
                      f"<title>spotswarm run {html.escape(h.cluster)}</title><style>{STYLE}</style></head>"

@@ -66,6 +66,7 @@ def fill_run(base: Path) -> Path:
                                     (4500, 16, 1.0, 58.0), (6000, 20, 0.9, 50.0)]:
             _at(store, t)
             store.progress(epoch, loss, sps, 2, epoch * 320)
+        store.peer_costs("i1", 6400, 640_000, 30.0, 120.0)  # a trainer's totals: 100 B/sample, 25% averaging
         # the resume: a new supervisor closes what the dead one left open, then carries on
         store.close_lost_instances(store.last_time())
         store.event("supervisor_start", at=T0 + 7000)

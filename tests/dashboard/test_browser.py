@@ -132,7 +132,10 @@ def test_finished_run_page_in_chromium(live_run, open_page, save_screenshot):
             preemptions, replacements = map(int, card(page, "preemptions / replacements").split(" / "))
             assert preemptions == 1 and replacements >= 1
             assert card(page, "dollars spent").startswith("$") and card(page, "saved").endswith("%)")
-            ended = page.eval_on_selector_all("#instances tbody tr", "rows => rows.map(r => r.cells[8].textContent)")
+            ended = page.eval_on_selector_all("#instances tbody tr", "rows => rows.map(r => r.cells[10].textContent)")
+            per_sample = page.eval_on_selector_all("#instances tbody tr",
+                                                   "rows => rows.map(r => r.cells[8].textContent)")
+            assert all(c == "-" or c.isdigit() for c in per_sample), per_sample  # bytes sent per sample, if reported
             assert "preempted" in ended and "running" not in ended  # every instance released at the stop
             assert page.evaluate("() => document.body.dataset.polling") == "off"  # nothing left to refresh
             save_screenshot(page, "dashboard-finished.png")

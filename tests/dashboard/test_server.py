@@ -90,6 +90,8 @@ def test_json_api_page_and_offline_plotly(hand_run):
     assert [i["id"] for i in instances] == ["i0", "i1", "i2", "i4", "i3", "i5", "i6"]  # by launch time
     assert {i["id"]: i["ended"] for i in instances}["i0"] == "preempted"
     assert {i["id"]: i["lifetime_s"] for i in instances}["i3"] == pytest.approx(1700)
+    costs_of = {i["id"]: (i["bytes_per_sample"], i["comm_fraction"]) for i in instances}
+    assert costs_of["i1"] == (100.0, 0.25) and costs_of["i0"] == (None, None)  # only trainers that reported
     ids = [c["id"] for c in series["charts"]]
     assert ids == ["throughput", "loss", "instances", "preemptions", "dollars", "dollars_per_million", "savings"]
     assert set(charts) == set(ids) and all(fig["data"] for fig in charts.values())

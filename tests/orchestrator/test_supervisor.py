@@ -64,6 +64,9 @@ def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp
     # prompt: the provisioning delay plus a few supervisor ticks (each may wait on Ray when the machine is busy)
     assert replacement_launch - ended <= config.provider.provisioning_delay_s + 15 * tick
     assert query(run_dir, "SELECT COUNT(*) FROM instances WHERE end_reason = 'preempted'") == [(1,)]
+    # the trainers' cost totals reached the store through their status answers (the dashboard's columns)
+    costs = query(run_dir, "SELECT instance_id, samples, bytes_sent, comm_s, busy_s FROM peer_costs")
+    assert len(costs) >= 2 and all(n > 0 and sent > 0 and 0 <= comm <= busy for _, n, sent, comm, busy in costs)
 
 
 def test_the_budget_cap_is_never_exceeded(tmp_path, wait_for):

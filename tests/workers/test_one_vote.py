@@ -6,6 +6,7 @@ fails: C, D and E are three, and averaging together they would step apart from A
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -72,11 +73,13 @@ def test_a_member_whose_round_failed_it_waits_for_the_state_of_those_that_steppe
             try:
                 if i >= 3:  # D and E: late, they start as C's first round fails
                     LosesOnePartOnce.failed.wait(60)
-                for _ in range(50_000):
+                deadline = time.monotonic() + 60  # bounded: a peer that never steps fails the assertions below
+                while time.monotonic() < deadline:
                     params[i].grad = gradients[i].clone()
                     opts[i].step(2)
                     if opts[i].epoch > 0:
                         return
+                    time.sleep(0.001)  # a micro-batch's compute: five busy loops would starve two cores
             finally:
                 done.wait()
 
