@@ -107,3 +107,36 @@ class DelayRelay:
         finally:
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)
+
+
+def _pair(text: str) -> tuple[tuple[str, int], tuple[str, int]]:
+    """``LISTEN_HOST:PORT=TARGET_HOST:PORT``."""
+    listen, _, target = text.partition("=")
+    (lh, _, lp), (th, _, tp) = listen.rpartition(":"), target.rpartition(":")
+    if not (lh and lp.isdigit() and th and tp.isdigit()):
+        raise ValueError(f"a relay is LISTEN_HOST:PORT=TARGET_HOST:PORT, got {text!r}")
+    return (lh, int(lp)), (th, int(tp))
+
+
+async def _serve(pairs: list[tuple[tuple[str, int], tuple[str, int]]], delay_s: float) -> None:
+    """Relay every pair until stdin closes (the parent's end of the pipe: it went away or is done)."""
+    relays = [DelayRelay(target, delay_s, host=host, port=port) for (host, port), target in pairs]
+    try:
+        for relay in relays:
+            await relay.start()
+        print("ready", flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, __import__("sys").stdin.read)
+    finally:
+        for relay in relays:
+            await relay.close()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="delaying TCP relays, one per LISTEN=TARGET pair, until stdin closes")
+    parser.add_argument("--delay", type=float, required=True, help="seconds added to each direction")
+    parser.add_argument("pairs", nargs="+", type=_pair, metavar="LISTEN_HOST:PORT=TARGET_HOST:PORT")
+    args = parser.parse_args()
+    asyncio.run(_serve(args.pairs, args.delay))
