@@ -386,12 +386,17 @@ class ClusterConfig(_Strict):
     def uses_experts(self) -> bool:
         return any(nt.role == "experts" for nt in self.fleet_types().values())
 
+    def task_options(self) -> dict[str, Any]:
+        """The task factory's keyword arguments, as every trainer gets them."""
+        t = self.training
+        return {**(self.experts.task_options() if t.task in MOE_TASKS else {}), **t.task_options}
+
     def worker_config(self, initial_peers: list[str], node_type: str | None = None, **extra: Any) -> WorkerConfig:
         """A trainer's settings; ``node_type`` adds what its instances' type says (their bandwidth)."""
         t = self.training
         if node_type is not None:
             extra = {"bandwidth": self.available_node_types[node_type].bandwidth, **extra}
-        options = {**(self.experts.task_options() if t.task in MOE_TASKS else {}), **t.task_options}
+        options = self.task_options()
         if options:
             extra = {"task_options": options, **extra}
         return WorkerConfig(run=self.cluster_name, task=t.task, mode=t.averaging, initial_peers=initial_peers,

@@ -89,8 +89,9 @@ class SupervisorCore:
         self.dht = self._start_dht(identity)
         signer = SignatureValidator(identity)
         layout = ProgressLayout(config.cluster_name, capacity=config.max_trainers())
+        self.epoch_samples = epoch_samples(config)
         self.tracker = self.dht.run_coroutine(lambda n: _viewing(ProgressTracker(
-            n, config.cluster_name, config.training.target_batch_size, signer, layout=layout, observer=True)))
+            n, config.cluster_name, self.epoch_samples, signer, layout=layout, observer=True)))
         self.state = self.dht.run_coroutine(lambda n: _make(StateSharer, n, config.cluster_name, signer,
                                                              lambda: self.checkpoints.serve(), layout=layout))
         self.checkpoints = Checkpointer(config, self.store, self.dht, self.state, self.archiver, self.clock)
@@ -339,7 +340,7 @@ class SupervisorCore:
         self.epoch = epoch
         self.store.progress(epoch, sum(losses) / len(losses) if losses else None,
                             sum(p.samples_per_second for p in current), max(fresh, 1),
-                            epoch * self.config.training.target_batch_size)
+                            epoch * self.epoch_samples)
 
     def _record_costs(self) -> None:
         """The trainers' totals their status answers brought (bytes per sample, time averaging)."""
@@ -434,7 +435,7 @@ class SupervisorCore:
         last = self.store.last_row("progress")
         self.epoch = epoch
         self.store.progress(epoch, sum(losses) / len(losses) if losses else None, last[3] if last else 0.0,
-                            len(records), epoch * self.config.training.target_batch_size)
+                            len(records), epoch * self.epoch_samples)
 
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
@@ -466,6 +467,17 @@ def _ray_node() -> dict:
 
 async def _make(cls: Any, *args: Any, **kwargs: Any) -> Any:
     return cls(*args, **kwargs)
+
+
+def epoch_samples(config: ClusterConfig) -> int:
+    """The samples a global epoch stands for: the global batch, or a DiLoCo round's (what each
+    trainer sizes it to: inner steps x the task's batch x the trainers the run keeps up)."""
+    t = config.training
+    if t.averaging != "diloco":
+        return t.target_batch_size
+    from workers.task import load_task  # the task's batch; its factory builds no model
+
+    return t.inner_steps * load_task(t.task, **config.task_options()).batch_size * config.min_trainers()
 
 
 async def _viewing(tracker: ProgressTracker) -> ProgressTracker:
