@@ -333,8 +333,9 @@ class CollaborativeOptimizer:
         others = self._call(lambda n: self.averager.others_completed(result.step, timeout))
         if others is False:
             return
-        logger.info("epoch %d: %s of our round may have stepped; waiting for its state before averaging again",
-                    self.epoch, "a member" if others else "a member that did not answer")
+        logger.info("epoch %d: a member of our round %s; waiting for the next epoch's state before averaging "
+                    "this one again", self.epoch, "completed it and may have stepped" if others
+                    else "did not say how it ended (it may have stepped)")
         self._held = (self.epoch, time.monotonic() + self.tracker.fresh_for)
 
     def _holding(self) -> bool:
