@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dht import DHT, DHTNode
-from p2p import P2PError
+from p2p import P2PError, PeerID
 from p2p.node import CallContext
 
 from .collaborative import CollaborativeOptimizer
@@ -38,6 +38,13 @@ logger = logging.getLogger(__name__)
 ROUND_VIEW_INTERVAL = 1.0  # seconds between reads of the swarm's progress (the collaborative mode's: 0.1)
 BEQUEST_TIMEOUT = 5.0  # seconds a leaver spends handing its pseudo-gradient on, all heirs tried
 BEQUEST_NORM_RATIO = 10.0  # a bequest whose norm is over this many times the heir's own is refused
+BEQUESTS_HELD = 16  # bequests a peer holds for its round at most (each is a model-sized vector)
+
+
+def round_samples(inner_steps: int, batch_size: int, peers: int) -> int:
+    """The samples an outer round stands for: each of the ``peers`` a run keeps up taking
+    ``inner_steps`` steps of ``batch_size`` (every trainer and the supervisor size it alike)."""
+    return inner_steps * batch_size * peers
 
 
 class DiLoCoOptimizer(CollaborativeOptimizer):
@@ -64,6 +71,7 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
         # bequests of leavers for this round, (epoch, weight, flat pseudo-gradient); sealed once the
         # round's contribution is taken, so that none arrives too late to count and is lost unsaid
         self._bequests: list[tuple[int, float, torch.Tensor]] = []
+        self._bequeathers: set[tuple[int, PeerID]] = set()  # (epoch, peer): one bequest per peer and round
         self._merged: list[tuple[int, float, torch.Tensor]] = []
         self._sealed = -1
         self._bequest_lock = threading.Lock()
@@ -175,6 +183,12 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
             if epoch != self.epoch or self._sealed == epoch:
                 busy = " and averaging it" if epoch == self.epoch else ""
                 return {"ok": False, "why": f"we are at epoch {self.epoch}{busy}"}
+            self._bequeathers = {b for b in self._bequeathers if b[0] >= epoch}
+            if (epoch, ctx.peer_id) in self._bequeathers:
+                return {"ok": False, "why": "one bequest per peer and round"}
+            if len(self._bequests) >= BEQUESTS_HELD:
+                return {"ok": False, "why": f"we hold {BEQUESTS_HELD} bequests for this round already"}
+            self._bequeathers.add((epoch, ctx.peer_id))
             self._bequests.append((epoch, float(weight), values.clone()))
         logger.info("epoch %d: a leaver's %d samples will count in our contribution", epoch, int(weight))
         return {"ok": True}

@@ -24,7 +24,7 @@ from p2p.devices import pick_device
 from p2p.membership import Certificate, Membership
 
 from .collaborative import CollaborativeOptimizer
-from .diloco import DiLoCoOptimizer
+from .diloco import DiLoCoOptimizer, round_samples
 from .moshpit_sgd import MoshpitSGD
 from .run_keys import run_validators
 from .state import params_digest as params_digest  # where it always was, for importers
@@ -103,7 +103,7 @@ class TrainingPeer:
         if config.mode == "diloco":
             self.optimizer = DiLoCoOptimizer(
                 self._local_optimizer, self.dht, config.run,
-                config.inner_steps * self.task.batch_size * config.round_peers, scheduler=self._scheduler,
+                round_samples(config.inner_steps, self.task.batch_size, config.round_peers), scheduler=self._scheduler,
                 outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, compression=config.compression,
                 min_matchmaking_time=config.min_matchmaking_time, averaging_timeout=config.averaging_timeout,
                 bandwidth=config.bandwidth, swarm_size=config.swarm_size)

@@ -475,9 +475,10 @@ def epoch_samples(config: ClusterConfig) -> int:
     t = config.training
     if t.averaging != "diloco":
         return t.target_batch_size
+    from workers.diloco import round_samples
     from workers.task import load_task  # the task's batch; its factory builds no model
 
-    return t.inner_steps * load_task(t.task, **config.task_options()).batch_size * config.min_trainers()
+    return round_samples(t.inner_steps, load_task(t.task, **config.task_options()).batch_size, config.min_trainers())
 
 
 async def _viewing(tracker: ProgressTracker) -> ProgressTracker:

@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from dht import DHT, DHTNode, SignatureValidator
+from dht import DHT, DHTNode
 from p2p import Authority, Identity, Membership, NotAMember, P2PError
+from tests.workers.local_dhts import signed_dhts
 from workers.diloco import DiLoCoOptimizer
 
 pytestmark = pytest.mark.timeout(90)
@@ -32,16 +33,11 @@ class Recorded(DiLoCoOptimizer):
 
 def make_peers(n: int, authority: Authority | None = None, initial: list[str] | None = None,
                load_state_on_start: bool = False) -> tuple[list[DHT], list[Recorded], list[torch.nn.Parameter]]:
-    dhts, opts, params = [], [], []
-    for _ in range(n):
-        identity = Identity()
-        options = {}
-        if authority is not None:
-            cert = authority.issue(identity.peer_id, 3600.0)
-            options["p2p_options"] = {"membership": Membership(authority.run, authority.public_key, cert)}
-        peers = initial if initial is not None else (dhts[0].addresses if dhts else [])
-        dhts.append(DHT(peers, host="127.0.0.1", identity=identity, validators=[SignatureValidator(identity)],
-                        **options))
+    def member(identity: Identity) -> dict:
+        cert = authority.issue(identity.peer_id, 3600.0)
+        return {"p2p_options": {"membership": Membership(authority.run, authority.public_key, cert)}}
+
+    dhts, opts, params = signed_dhts(n, initial, member if authority is not None else None), [], []
     for dht in dhts:
         param = torch.nn.Parameter(torch.zeros(SIZE))
         params.append(param)
@@ -249,5 +245,25 @@ def test_a_bequest_that_does_not_fit_is_refused_with_its_reason_and_the_round_go
         assert [o.epoch for o in opts] == [1, 1]
         assert [o.sent[1] for o in opts] == [float(o.history[-1].samples) for o in opts]
         assert torch.equal(opts[0].global_params[0], opts[1].global_params[0])
+    finally:
+        leave(dhts, opts)
+
+
+def test_a_member_bequeaths_once_a_round_and_a_peer_holds_a_bounded_number(wait_for, monkeypatch):
+    monkeypatch.setattr("workers.diloco.BEQUESTS_HELD", 2)
+    dhts, opts, _ = make_peers(4)
+    try:
+        heir, address = opts[0], dhts[0].addresses[0]
+        request = {"e": 0, "w": 8.0, "t": torch.zeros(SIZE)}
+
+        async def send(node: DHTNode) -> dict:
+            return await node.p2p.call(address, heir.bequest_method, request, timeout=10)
+
+        answers = [dhts[i].run_coroutine(send) for i in (1, 1, 2, 3)]
+        assert answers[0] == {"ok": True}
+        assert answers[1] == {"ok": False, "why": "one bequest per peer and round"}  # the same member again
+        assert answers[2] == {"ok": True}
+        assert answers[3] == {"ok": False, "why": "we hold 2 bequests for this round already"}
+        assert len(heir._bequests) == 2
     finally:
         leave(dhts, opts)

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from dht import DHT, SignatureValidator
-from p2p import Identity
+from dht import DHT
+from tests.workers.local_dhts import signed_dhts
 from workers.collaborative import CollaborativeOptimizer
 
 pytestmark = pytest.mark.timeout(90)
@@ -23,10 +23,7 @@ def grouped_epoch(swarm_size: int, wait_for) -> tuple[list[CollaborativeOptimize
     params = [torch.nn.Parameter(torch.zeros(SIZE)) for _ in range(PEERS)]
     gradients = [torch.randn(SIZE, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(PEERS)]
     try:
-        for _ in range(PEERS):
-            identity = Identity()
-            dhts.append(DHT(dhts[0].addresses if dhts else [], host="127.0.0.1", identity=identity,
-                            validators=[SignatureValidator(identity)]))
+        signed_dhts(PEERS, into=dhts)
         for param, dht in zip(params, dhts, strict=True):
             opts.append(CollaborativeOptimizer(torch.optim.SGD([param], lr=1.0), dht, "grouped",
                                                target_batch_size=PEERS * 40, max_group_size=GROUP,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from averaging.allreduce import AllReduceRound
-from dht import DHT, SignatureValidator
-from p2p import Identity
+from dht import DHT
+from tests.workers.local_dhts import signed_dhts
 from workers.collaborative import CollaborativeOptimizer
 
 pytestmark = pytest.mark.timeout(90)
@@ -51,10 +51,7 @@ def test_a_member_whose_round_failed_it_waits_for_the_state_of_those_that_steppe
     params = [torch.nn.Parameter(torch.zeros(SIZE)) for _ in range(PEERS)]
     gradients = [torch.full((SIZE,), float(i + 1)) for i in range(PEERS)]
     try:
-        for _ in range(PEERS):
-            identity = Identity()
-            dhts.append(DHT(dhts[0].addresses if dhts else [], host="127.0.0.1", identity=identity,
-                            validators=[SignatureValidator(identity)]))
+        signed_dhts(PEERS, into=dhts)
         for param, dht in zip(params, dhts, strict=True):
             opts.append(CollaborativeOptimizer(torch.optim.SGD([param], lr=1.0), dht, "vote",
                                                target_batch_size=PEERS * 8, min_matchmaking_time=0.5,
