@@ -180,6 +180,9 @@ class CollaborativeOptimizer:
         self._report()
         self.keep_alive()
         self._reconnect_if_isolated()
+        landed = self._round_in_flight()
+        if landed is not None:
+            return landed
         progress: GlobalProgress = self.tracker.view()  # no network on a micro-step: kept fresh in the background
         # standing still during the calls above (their requests timed out meanwhile) leaves a view
         # as stale as one from before a pause: the others would look dead
@@ -195,6 +198,11 @@ class CollaborativeOptimizer:
         if progress.live_peers <= 1 and time.monotonic() < self._alone_not_before:
             return False  # our view of the others may be as old as our absence: wait for theirs to refresh
         return self._global_step(progress)
+
+    def _round_in_flight(self) -> bool | None:
+        """None unless a round of ours runs in the background (this mode averages in the foreground);
+        else whether it just ended in a step."""
+        return None
 
     def _was_away(self) -> bool:
         """Whether this process stood still (paused, swapped out) longer than a record stays fresh since
@@ -274,30 +282,40 @@ class CollaborativeOptimizer:
             self.scheduler.step()
 
     def _global_step(self, progress: GlobalProgress) -> bool:
+        self._prepare_round()
+        started = time.monotonic()
+        alone, live = self._round_peers(progress)
+        if alone:
+            return self._conclude(_Averaged(complete=True, group_size=1), 0.0, started, live, alone=True)
+        # wait for every live peer, including one whose record still shows the previous epoch
+        # (it is about to report this one); the matchmaking time bounds the wait for a dead one
+        result, stood_still = self._call(lambda n: self._average(live))
+        self.comm_seconds += time.monotonic() - started
+        return self._conclude(result, stood_still, started, live)
+
+    def _prepare_round(self) -> None:
+        """What we contribute, into the buffers the averager sends from."""
         self._fill_buffers()
         if self.grad_buffers is not self.host_buffers:
             for host, buf in zip(self.host_buffers, self.grad_buffers, strict=True):
                 host.copy_(buf)
-        started = time.monotonic()
-        # Step alone only when nobody else is alive: two peers that each stepped alone on a stale view
-        # of the other would share an epoch with different parameters, and never reconcile.
-        alone = progress.live_peers <= 1
-        stood_still = 0.0
-        live = progress.live_peers
+
+    def _round_peers(self, progress: GlobalProgress) -> tuple[bool, int]:
+        """Whether we step alone, and how many peers the round is for.  Step alone only when nobody
+        else is alive: two peers that each stepped alone on a stale view of the other would share an
+        epoch with different parameters, and never reconcile."""
+        alone, live = progress.live_peers <= 1, progress.live_peers
         if alone and (answering := self._stale_peers_answering()):
             alone, live = False, 1 + answering
-        if alone:
-            result = _Averaged(complete=True, group_size=1)
-        else:
-            # wait for every live peer, including one whose record still shows the previous epoch
-            # (it is about to report this one); the matchmaking time bounds the wait for a dead one
-            result, stood_still = self._call(lambda n: self._average(live))
-            self.comm_seconds += time.monotonic() - started
-            if stood_still <= self.tracker.fresh_for:
-                # a round that took longer than a record stays fresh is no absence: the watcher kept our
-                # record fresh and saw no pause, so the next step must not rejoin for it (after a real
-                # pause it must: the others' records we hold are as old as the pause)
-                self._last_step_time = time.monotonic()
+        return alone, live
+
+    def _conclude(self, result: _Averaged, stood_still: float, started: float, live: int, alone: bool = False) -> bool:
+        """Step on a round's outcome, or restore what we contributed and wait for the others' state."""
+        if not alone and stood_still <= self.tracker.fresh_for:
+            # a round that took longer than a record stays fresh is no absence: the watcher kept our
+            # record fresh and saw no pause, so the next step must not rejoin for it (after a real
+            # pause it must: the others' records we hold are as old as the pause)
+            self._last_step_time = time.monotonic()
         if not alone and (not result.complete or stood_still > self.tracker.fresh_for):
             # A part whose reducer vanished mid-round holds our own values, not the group's: stepping on
             # it would give us other parameters than the peers that got it back, at the same epoch.
@@ -381,17 +399,17 @@ class CollaborativeOptimizer:
         self._answering = count
         return count
 
-    async def _average(self, live_peers: int) -> tuple[_Averaged, float]:
+    async def _average(self, live_peers: int, weight: float | None = None) -> tuple[_Averaged, float]:
         """All-reduce this epoch's gradients: in one group, or, in a run sized for more peers than a
         group holds, in groups of groups (``averaging/grouped.py``) planned over the peers at our epoch.
         Give up matchmaking as soon as the others have moved on without us (we then load their state)
         instead of waiting out the matchmaking time alone.  Also returns the longest time this process
         stood still meanwhile (seen as a gap in the watcher's beats: a paused process cannot see its
-        pause otherwise)."""
+        pause otherwise).  ``weight``: ours, taken where the training thread stands (default: now)."""
         abort = asyncio.Event()
         beats = _Beats(time.monotonic())
         watcher = asyncio.create_task(self._watch_epoch(abort, beats))
-        weight, key = self._round_weight(), f"e{self.epoch}"
+        weight, key = self._round_weight() if weight is None else weight, f"e{self.epoch}"
         try:
             if self.grouped:
                 plan = GroupPlan.of([*self.tracker.members(self.epoch), self.dht.peer_id], self.max_group_size)

@@ -21,9 +21,12 @@ only its own inner work.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,13 +35,26 @@ from dht import DHT, DHTNode
 from p2p import P2PError, PeerID
 from p2p.node import CallContext
 
-from .collaborative import CollaborativeOptimizer
+from .collaborative import CollaborativeOptimizer, _Averaged
 
 logger = logging.getLogger(__name__)
 ROUND_VIEW_INTERVAL = 1.0  # seconds between reads of the swarm's progress (the collaborative mode's: 0.1)
 BEQUEST_TIMEOUT = 5.0  # seconds a leaver spends handing its pseudo-gradient on, all heirs tried
 BEQUEST_NORM_RATIO = 10.0  # a bequest whose norm is over this many times the heir's own is refused
 BEQUESTS_HELD = 16  # bequests a peer holds for its round at most (each is a model-sized vector)
+
+
+@dataclass
+class _InFlight:
+    """A round averaging in the background (``overlap``) while the next inner phase trains."""
+
+    future: concurrent.futures.Future  # (_Averaged, seconds the event loop stood still)
+    launched_from: list[torch.Tensor]  # our parameters when its pseudo-gradient was taken
+    started: float  # monotonic
+    live: int  # the peers it was for
+    samples: int  # our samples and steps behind its pseudo-gradient
+    steps: int
+    share: float  # samples past which we wait for it (one round's worth of ours): an update at most a round late
 
 
 def round_samples(inner_steps: int, batch_size: int, peers: int) -> int:
@@ -52,10 +68,13 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
     ``loss.backward()`` like the collaborative optimizer.  ``outer_lr`` and ``outer_momentum``:
     the outer SGD's (Nesterov when the momentum is above 0); the other options are the
     collaborative optimizer's (a ``scheduler`` steps with the inner optimizer; ``view_interval``
-    is 1 s unless given)."""
+    is 1 s unless given).  ``overlap``: a round all-reduces in the background while the next inner
+    phase trains; its outer step lands when the round ends, at most one round late (we wait for it
+    once we have trained another round's share), and the inner progress made meanwhile is kept on
+    top of the new global parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, target_batch_size: int, *,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, **options: Any) -> None:
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: bool = False, **options: Any) -> None:
         if not 0 < outer_lr < float("inf"):
             raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
         if not 0 <= outer_momentum < 1:
@@ -77,6 +96,10 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
         self._bequest_lock = threading.Lock()
         self.bequest_method = f"diloco.bequest.{run}"
         self.bequeathed: tuple[int, float, torch.Tensor, str | None] | None = None  # what we handed on, to whom
+        self.overlap = overlap
+        self._inflight: _InFlight | None = None
+        self._landing: _InFlight | None = None  # the round whose outer step is being applied
+        self._carried = (0, 0)  # samples and steps trained while it averaged: they count for the next round
         super().__init__(optimizer, dht, run, target_batch_size, **options)
 
         async def take_bequests(node: DHTNode) -> None:
@@ -148,7 +171,12 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
             g.grad = avg.view_as(g).to(device=g.device, copy=True)
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        self._start_from_global()
+        if self._landing is None:
+            self._start_from_global()
+            return
+        with torch.no_grad():  # θ_local = θ_global + what we trained since the round's pseudo-gradient was taken
+            for p, g, then in zip(self.params, self.global_params, self._landing.launched_from, strict=True):
+                p.copy_(g + (p.detach().to(dtype=torch.float32) - then))
 
     def _start_from_global(self) -> None:
         with torch.no_grad():
@@ -158,12 +186,65 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
     def _reset_accumulators(self) -> None:
         for p in self.params:
             p.grad = None
-        self.local_samples = 0
-        self.local_steps = 0
+        self.local_samples, self.local_steps = self._carried
         with self._bequest_lock:
             self._merged = []
 
-    # ---- leaving on notice -----------------------------------------------------------------------
+    # ---- overlap: the round averages while the next inner phase trains ------------------------------
+    def _global_step(self, progress: Any) -> bool:
+        if not self.overlap:
+            return super()._global_step(progress)
+        self._prepare_round()
+        started = time.monotonic()
+        alone, live = self._round_peers(progress)
+        if alone:
+            return self._conclude(_Averaged(complete=True, group_size=1), 0.0, started, live, alone=True)
+        launched_from = [p.detach().to(dtype=torch.float32, copy=True) for p in self.params]
+        weight = self._round_weight()  # the training thread goes on counting samples meanwhile
+        future = self.dht.run_coroutine(lambda n: self._average(live, weight), return_future=True)
+        share = self.target_batch_size / max(live, 1)
+        self._inflight = _InFlight(future, launched_from, started, live, self.local_samples, self.local_steps, share)
+        return False
+
+    def _round_in_flight(self) -> bool | None:
+        """Land the round in flight once it ended, or once we trained a round's share since it began
+        (its update then waits for nobody longer than one round); meanwhile just train."""
+        flight = self._inflight
+        if flight is None:
+            return None
+        if not flight.future.done() and self.local_samples - flight.samples < flight.share:
+            return False
+        return self._land()
+
+    def _land(self) -> bool:
+        """The round in flight's outcome: its outer step under the inner progress made since (kept), or,
+        as in the foreground mode, our contribution back and the others' state to load."""
+        flight, self._inflight = self._inflight, None
+        assert flight is not None
+        waited = time.monotonic()
+        try:
+            result, stood_still = flight.future.result(timeout=self.averaging_timeout + self.tracker.fresh_for)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, P2PError, OSError) as e:
+            flight.future.cancel()
+            result, stood_still = _Averaged(False, flight.live, why=f" ({type(e).__name__}: {e})"), 0.0
+        self.comm_seconds += time.monotonic() - waited  # only what the training waited for
+        carried = (self.local_samples - flight.samples, self.local_steps - flight.steps)
+        self.local_samples, self.local_steps = flight.samples, flight.steps
+        self._landing, self._carried = flight, carried
+        try:
+            stepped = self._conclude(result, stood_still, flight.started, flight.live)
+        finally:
+            self._landing, self._carried = None, (0, 0)
+        if not stepped:  # the next round's pseudo-gradient covers everything since the last step
+            self.local_samples += carried[0]
+            self.local_steps += carried[1]
+        return stepped
+
+    def _finish_round_in_flight(self) -> None:
+        """Before anything that needs the buffers or the averager (leaving, loading state): land it."""
+        if self._inflight is not None:
+            self._land()
+
     async def _rpc_bequest(self, request: Any, ctx: CallContext) -> dict:
         """A leaver's partial pseudo-gradient for our round: ``{"e": epoch, "w": samples, "t": flat
         float32 tensor}``; ``{"ok": true}`` once it will count, else why not."""
@@ -196,6 +277,7 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
     def prepare_to_leave(self) -> None:
         if self._leaving:
             return
+        self._finish_round_in_flight()
         if self.local_samples > 0:
             self._bequeath()
 

@@ -32,7 +32,8 @@ class Recorded(DiLoCoOptimizer):
 
 
 def make_peers(n: int, authority: Authority | None = None, initial: list[str] | None = None,
-               load_state_on_start: bool = False) -> tuple[list[DHT], list[Recorded], list[torch.nn.Parameter]]:
+               load_state_on_start: bool = False, cls: type[Recorded] = Recorded,
+               **options) -> tuple[list[DHT], list[Recorded], list[torch.nn.Parameter]]:
     def member(identity: Identity) -> dict:
         cert = authority.issue(identity.peer_id, 3600.0)
         return {"p2p_options": {"membership": Membership(authority.run, authority.public_key, cert)}}
@@ -41,9 +42,9 @@ def make_peers(n: int, authority: Authority | None = None, initial: list[str] | 
     for dht in dhts:
         param = torch.nn.Parameter(torch.zeros(SIZE))
         params.append(param)
-        opts.append(Recorded(torch.optim.SGD([param], lr=INNER_LR), dht, "diloco", target_batch_size=n * 10 * BATCH,
-                             outer_lr=LR, outer_momentum=MOMENTUM, min_matchmaking_time=0.5, averaging_timeout=20,
-                             load_state_on_start=load_state_on_start))
+        opts.append(cls(torch.optim.SGD([param], lr=INNER_LR), dht, "diloco", target_batch_size=n * 10 * BATCH,
+                        outer_lr=LR, outer_momentum=MOMENTUM, min_matchmaking_time=0.5, averaging_timeout=20,
+                        load_state_on_start=load_state_on_start, **options))
     return dhts, opts, params
 
 
