@@ -6,7 +6,8 @@ own; each chunk read from either side is written to the other ``delay_s`` second
 in order, so a request and its reply each take ``delay_s`` more: a round trip ``2 * delay_s`` more.
 Real bytes through real sockets; the relay reads ahead without limit while it waits, so it delays a
 stream without slowing it (rate is the tbf qdisc's job).  Run it in the namespace of the side that
-listens, or in the root namespace between two of them.
+listens, or in the root namespace between two of them.  Each direction is carried by the local
+simulator's relay code (``orchestrator/sim/relay.py``: ``carry`` over an unpaced ``Link``).
 
 Usage from a benchmark::
 
@@ -19,11 +20,11 @@ Usage from a benchmark::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
+from orchestrator.sim.relay import Link, splice
+
 log = logging.getLogger(__name__)
-CHUNK = 1 << 16
 
 
 class DelayRelay:
@@ -59,54 +60,12 @@ class DelayRelay:
     async def _carry(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         """One accepted connection: a connection to the target, and both directions delayed."""
         try:
-            target_r, target_w = await asyncio.open_connection(*self.target)
+            target = await asyncio.open_connection(*self.target)
         except OSError as e:
             log.info("relay: target %s:%d unreachable: %s", *self.target, e)
             client_w.close()
             return
-        try:
-            await asyncio.gather(self._direction(client_r, target_w), self._direction(target_r, client_w))
-        finally:
-            for w in (client_w, target_w):
-                w.close()
-                with contextlib.suppress(OSError, asyncio.CancelledError):
-                    await w.wait_closed()
-
-    async def _direction(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Bytes from ``reader`` to ``writer``, each chunk ``delay_s`` after it arrived; end of stream last."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def read() -> None:
-            while True:
-                try:
-                    data = await reader.read(CHUNK)
-                except OSError:
-                    data = b""
-                queue.put_nowait((loop.time() + self.delay_s, data))
-                if not data:
-                    return
-
-        async def write() -> None:
-            while True:
-                due, data = await queue.get()
-                await asyncio.sleep(max(due - loop.time(), 0.0))
-                try:
-                    if not data:
-                        if writer.can_write_eof():
-                            writer.write_eof()
-                        return
-                    writer.write(data)
-                    await writer.drain()
-                except OSError:  # the other side is gone: nothing more to carry this way
-                    return
-
-        reading = asyncio.ensure_future(read())
-        try:
-            await write()
-        finally:
-            reading.cancel()
-            await asyncio.gather(reading, return_exceptions=True)
+        await splice((client_r, client_w), target, Link(self.delay_s), Link(self.delay_s))
 
 
 def _pair(text: str) -> tuple[tuple[str, int], tuple[str, int]]:

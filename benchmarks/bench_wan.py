@@ -4,7 +4,9 @@
 - ``collaborative``: the whole gradient all-reduced every global batch of ``--collab-batch`` samples;
 - ``moshpit``: parameters averaged in Moshpit groups every ``--inner-steps`` local steps;
 - ``diloco``: ``--inner-steps`` inner Adam steps per peer, then the averaged pseudo-gradients and an
-  outer Nesterov step (``workers/diloco.py``).
+  outer Nesterov step (``workers/diloco.py``);
+- ``diloco-overlap``: the same with ``overlap: true``, each round all-reduced while the next inner
+  phase trains (its communication counts only where the training waited for it).
 
 Each mode runs without preemptions and under one seeded preemption trace: every peer slot's
 lifetimes are exponential with mean 20 x E (E: the collaborative mode's median epoch here, measured
@@ -41,7 +43,7 @@ from benchmarks._common import Child, ChildFailed, fmt, kill_all, print_json, pr
 from benchmarks._netns import available  # noqa: E402
 from benchmarks._regions import Regions, regions  # noqa: E402
 
-MODES = ("collaborative", "moshpit", "diloco")
+MODES = ("collaborative", "moshpit", "diloco", "diloco-overlap")  # the last: diloco with overlap: true
 PEERS_PER_REGION = (2, 2)
 SLOTS = [(r, k) for r, n in enumerate(PEERS_PER_REGION) for k in range(n)]
 START_S = 60.0  # a worker prints its address within this
@@ -80,8 +82,11 @@ class RunResult:
 def worker_argv(world: Regions, slot: int, mode: str, args: argparse.Namespace, seconds: float, report: Path,
                 initial: str | None, seed: int) -> list[str]:
     region, k = SLOTS[slot]
+    overlap = mode == "diloco-overlap"
+    mode = "diloco" if overlap else mode
     argv = [*world.exec_prefix(region), sys.executable, "-m", "orchestrator.cli.main", "worker",
-            *world.worker_flags(region, k), "--run", f"wan-{mode}", "--task", "charlm", "--mode", mode,
+            *world.worker_flags(region, k), "--run", f"wan-{mode}{'-overlap' if overlap else ''}", "--task",
+            "charlm", "--mode", mode,
             "--report-file", str(report), "--seed", str(seed), "--max-seconds", str(seconds),
             "--min-matchmaking-time", str(args.min_matchmaking_time), "--averaging-timeout", "30",
             "--target-batch-size", str(args.collab_batch), "--averaging-period", str(args.inner_steps),
@@ -90,6 +95,8 @@ def worker_argv(world: Regions, slot: int, mode: str, args: argparse.Namespace, 
             "--bandwidth", str(LINK_MBIT),
             "--report-every-s", str(PROGRESS_S),
             "--compression", args.diloco_compression if mode == "diloco" else "none"]
+    if overlap:
+        argv.append("--overlap")
     if initial is None:
         argv += ["--min-peers", str(len(SLOTS))]
     else:
@@ -309,7 +316,7 @@ def report(results: dict[tuple[str, str], RunResult], target: float, figures: di
                  "loss_at_equal_samples": loss_at(curve, common_samples), **tot,
                  "epochs": max((rec["epoch"] for p in r.processes for rec in p.records), default=0),
                  "preemptions": r.preemptions, "epochs_compared": shared, "epochs_differing": differ,
-                 "seconds": r.seconds,
+                 "seconds": r.seconds, "samples_per_second": tot["samples"] / r.seconds if r.seconds else None,
                  "error": r.error}
         per[f"{mode}_{trace}"] = entry
         rows.append([mode, trace, fmt(entry["time_to_target_s"], ".1f"), fmt(entry["final_loss"], ".3f"),
@@ -345,10 +352,18 @@ def report(results: dict[tuple[str, str], RunResult], target: float, figures: di
             get("collaborative", "preempted", "time_to_target_s") or get("collaborative", "preempted", "seconds")),
         "params_identical_after_outer_steps": diloco_shared > 0 and diloco_differ == 0,
         "diloco_epochs_compared": diloco_shared,
+        "time_ratio_overlap_vs_diloco_wan": ratio(get("diloco-overlap", "none", "time_to_target_s"),
+                                                  get("diloco", "none", "time_to_target_s")),
+        "samples_per_second_ratio_overlap_vs_diloco": ratio(get("diloco-overlap", "none", "samples_per_second"),
+                                                            get("diloco", "none", "samples_per_second")),
+        "overlap_params_identical_after_outer_steps": (
+            sum(get("diloco-overlap", t, "epochs_compared") or 0 for t in ("none", "preempted")) > 0
+            and not sum(get("diloco-overlap", t, "epochs_differing") or 0 for t in ("none", "preempted"))),
     })
     for key in ("time_ratio_diloco_vs_collab_wan", "bytes_per_sample_ratio_diloco_vs_collab",
                 "loss_ratio_diloco_vs_collab_equal_samples", "time_ratio_diloco_vs_collab_wan_preempted",
-                "time_ratio_diloco_vs_collab_wan_preempted_at_most"):
+                "time_ratio_diloco_vs_collab_wan_preempted_at_most", "time_ratio_overlap_vs_diloco_wan",
+                "samples_per_second_ratio_overlap_vs_diloco"):
         value = figures[key]
         print(f"{key}: {fmt(value, '.3f')}")
     print(f"params_identical_after_outer_steps: {figures['params_identical_after_outer_steps']} "

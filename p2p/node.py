@@ -28,6 +28,7 @@ from .identity import Identity, PeerID
 from .limits import Limits
 from .membership import Certificate, Membership
 from .pool import ConnectionPool, PeerLike
+from .route import RelayRoute
 from .stream import Call, Stream
 from .tcp_info import TcpInfo, read_tcp_info
 from .throttle import Throttle, check_rate
@@ -91,6 +92,7 @@ class P2P:
         auth: AuthHook | None = None,
         max_connections: int = 1024,
         membership: Membership | None = None,
+        route: RelayRoute | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.identity = identity or Identity()
@@ -115,7 +117,8 @@ class P2P:
         self._closed = False
         self.throttle: Throttle | None = None  # set_rate_limit; None (unlimited) costs one check per send and read
         self.traffic = Traffic()  # what our calls and our handlers' answers cost, by method
-        self.pool = ConnectionPool(self, max_connections, idle_timeout)
+        self.route = route  # emulated regions only: dial other regions' hosts through a relay (``route.py``)
+        self.pool = ConnectionPool(self, max_connections, idle_timeout, route)
         self._connections = self.pool.connections  # the pool's live set, which this peer walks
         self._cached_connection = self.pool.cached  # the hot path's lookup: no awaiting
 
@@ -127,7 +130,8 @@ class P2P:
         ``announce_host`` is the host others dial: a peer listening on 0.0.0.0 must announce the
         address other machines reach it at (its node's IP), never the wildcard.  With
         ``membership=Membership(...)`` (which must hold this peer's certificate) it talks only to
-        the run's members."""
+        the run's members.  ``route=RelayRoute(...)`` (emulated regions, ``route.py``) dials the
+        hosts of other regions through the regions' relay."""
         keep_freed_buffers()
         node = cls(client_mode=client_mode, **kwargs)
         if not client_mode:

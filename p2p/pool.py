@@ -22,6 +22,7 @@ from .address import PeerAddress
 from .connection import Connection
 from .errors import PeerUnreachable, RPCTimeout
 from .identity import PeerID
+from .route import RelayRoute
 
 if TYPE_CHECKING:
     from .connection import ConnectionHost
@@ -36,8 +37,10 @@ _AddressKey = tuple[str, int]
 class ConnectionPool:
     """The connections of ``host`` (a ``P2P``), dialed or accepted."""
 
-    def __init__(self, host: ConnectionHost, max_connections: int, idle_timeout: float) -> None:
+    def __init__(self, host: ConnectionHost, max_connections: int, idle_timeout: float,
+                 route: RelayRoute | None = None) -> None:
         self.host = host
+        self.route = route  # emulated regions: hosts of other regions are dialed through a relay
         self.loop = host.loop
         self.limits = host.limits
         self.max_connections = max_connections
@@ -129,8 +132,13 @@ class ConnectionPool:
         remaining = deadline - self.loop.time()
         if remaining <= 0:
             raise RPCTimeout(f"deadline passed before connecting to {addr}")
+        route = self.route
+        if route is not None and route.relayed(addr.host):
+            connecting = route.dial(self.loop, lambda: conn, addr.host, addr.port)
+        else:
+            connecting = self.loop.create_connection(lambda: conn, addr.host, addr.port)
         try:
-            await asyncio.wait_for(self.loop.create_connection(lambda: conn, addr.host, addr.port), remaining)
+            await asyncio.wait_for(connecting, remaining)
         except (OSError, asyncio.TimeoutError) as e:
             raise PeerUnreachable(f"cannot connect to {addr}: {e or type(e).__name__}") from None
         if self.closed:

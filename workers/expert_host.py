@@ -38,9 +38,11 @@ from experts.handoff import fetch_expert_state, load_state_bytes, params_checksu
 from p2p import Identity
 from p2p.devices import DeviceName, pick_device
 from p2p.membership import Certificate
+from p2p.route import RelayRoute
 
 from .peer import run_membership
 from .run_keys import run_validators
+from .worker_config import check_route
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class ExpertHostConfig(pydantic.BaseModel):
     host: str = pydantic.Field("127.0.0.1", description="address to listen on")
     announce_host: str | None = pydantic.Field(None, description="the address other machines reach (default: host)")
     port: int = pydantic.Field(0, ge=0, le=65535, description="port to listen on; 0 is any free port")
+    route: str | None = pydantic.Field(None, description="emulated regions: dial these hosts through the "
+                                             "regions' relay (WorkerConfig.route)")
     identity_path: str | None = pydantic.Field(None, description="private key file (keeps the peer id)")
     membership_token: str | None = pydantic.Field(None, description="the run's certificate for this peer")
     experts: ExpertGridSpec = pydantic.Field(default_factory=ExpertGridSpec)
@@ -128,6 +132,8 @@ class ExpertHostConfig(pydantic.BaseModel):
     bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
                                              description="Mbit/s to declare for load balancing (default: measured)")
     device: DeviceName = pydantic.Field("auto", description="where the experts live: auto, cpu or cuda")
+
+    _route = pydantic.field_validator("route")(check_route)
 
 
 @dataclass
@@ -173,7 +179,8 @@ class ExpertHost:
             [], host=config.host, port=config.port, announce_host=config.announce_host,
             initial_peers=list(config.initial_peers), identity=identity, update_period=config.declare_period,
             dht_options={"validators": run_validators(config.run, identity)},
-            p2p_options={"membership": membership} if membership is not None else None)
+            p2p_options={"membership": membership,
+                         "route": RelayRoute.parse(config.route) if config.route else None})
         self.server = self._face.server
         self._replicas: dict[str, _Replica] = {}
         self._counters = _Counters()

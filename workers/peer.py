@@ -22,10 +22,12 @@ from experts.errors import NotEnoughExperts
 from p2p import Identity
 from p2p.devices import pick_device
 from p2p.membership import Certificate, Membership
+from p2p.route import RelayRoute
 
 from .collaborative import CollaborativeOptimizer
 from .diloco import DiLoCoOptimizer, round_samples
 from .moshpit_sgd import MoshpitSGD
+from .rounds import RoundSplitter
 from .run_keys import run_validators
 from .state import params_digest as params_digest  # where it always was, for importers
 from .task import load_task
@@ -67,7 +69,9 @@ class TrainingPeer:
         membership = run_membership(config, identity)
         self.dht = DHT(config.initial_peers, host=config.host, port=config.port, client_mode=config.client_mode,
                        announce_host=config.announce_host, identity=identity,
-                       validators=run_validators(config.run, identity), p2p_options={"membership": membership})
+                       validators=run_validators(config.run, identity),
+                       p2p_options={"membership": membership, "route": RelayRoute.parse(config.route)
+                                    if config.route else None})
         try:  # a model with remote experts finds them through the run's DHT
             self.model = self.task.model(seed=0, dht=self.dht).to(self.device)  # before its optimizer sees it
         except BaseException:
@@ -93,6 +97,7 @@ class TrainingPeer:
         self.history: deque[dict] = deque(maxlen=10_000)  # the per-epoch records, newest last
         self._samples_total = 0  # samples this peer trained on since it started
         self._train_started: float | None = None  # monotonic, when the training loop began
+        self._rounds = RoundSplitter()  # each epoch's compute and communication seconds
 
     def join(self) -> None:
         """Take part in the run: load the swarm's state and report progress from now on (a standby's
@@ -104,7 +109,8 @@ class TrainingPeer:
             self.optimizer = DiLoCoOptimizer(
                 self._local_optimizer, self.dht, config.run,
                 round_samples(config.inner_steps, self.task.batch_size, config.round_peers), scheduler=self._scheduler,
-                outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, compression=config.compression,
+                outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, overlap=config.overlap,
+                compression=config.compression,
                 min_matchmaking_time=config.min_matchmaking_time, averaging_timeout=config.averaging_timeout,
                 bandwidth=config.bandwidth, swarm_size=config.swarm_size)
         elif config.mode == "collaborative":
@@ -152,6 +158,8 @@ class TrainingPeer:
         assert self.optimizer is not None
         self._wait_for_peers()
         started = self._train_started = time.monotonic()
+        # busy is 0 now by definition; what it averaged before training (state, peers) is no epoch's
+        self._rounds.start(self.epoch, 0.0, self._time_totals()[1])
         batches = self.task.batches(cfg.seed)
         samples, window_start, losses = 0, time.monotonic(), []
         epoch_started = time.monotonic()
@@ -234,11 +242,16 @@ class TrainingPeer:
     def _log_epoch(self, loss: float, samples_per_second: float) -> None:
         peers = self._peers()
         logger.info("epoch %d loss %.4f samples/s %.1f peers %d", self.epoch, loss, samples_per_second, peers)
+        now, totals = time.time(), self._time_totals()  # one reading: the record's totals are the split's
+        split = self._rounds.close(self.epoch, *totals, at=now)
         record = {"epoch": self.epoch, "loss": loss, "samples_per_second": samples_per_second, "peers": peers,
-                  "time": time.time(), **self.costs()}
+                  "time": now, **self.costs(totals), "epoch_compute_s": split.compute_s,
+                  "epoch_comm_s": split.comm_s}
         record.update(self._moe_record())
         if self._report is not None or self.config.param_digests:  # hashing every parameter is not free
-            record["params"] = params_digest(list(self.model.parameters()))
+            # the parameters every peer holds alike (DiLoCo: the global ones, not its inner copy)
+            held = getattr(self.optimizer, "served_parameters", None) or self.model.parameters()
+            record["params"] = params_digest(list(held))
             steps = getattr(self.optimizer, "history", None)
             record["group"] = getattr(steps[-1], "group_id", None) if steps else None  # who it averaged with
         self.history.append(record)
@@ -246,13 +259,26 @@ class TrainingPeer:
             self._report.write(json.dumps(record) + "\n")
             self._report.flush()
 
-    def costs(self) -> dict:
+    def costs(self, totals: tuple[float, float] | None = None) -> dict:
         """What training cost this peer so far: samples, bytes sent (every call, the DHT's included),
         seconds spent averaging or downloading state instead of computing, and seconds since it
-        started training (from any thread)."""
-        busy = time.monotonic() - self._train_started if self._train_started is not None else 0.0
+        started training (from any thread; ``totals``: those two seconds as ``_time_totals`` read them)."""
+        busy, comm = self._time_totals() if totals is None else totals
         return {"samples_total": self._samples_total, "bytes_sent": self.dht.node.p2p.traffic.total().bytes_out,
-                "comm_s": round(getattr(self.optimizer, "comm_seconds", 0.0), 4), "busy_s": round(busy, 3)}
+                "comm_s": round(comm, 4), "busy_s": round(busy, 3)}
+
+    def _time_totals(self) -> tuple[float, float]:
+        """Seconds since training began, and seconds of them spent averaging or downloading state,
+        unrounded: each epoch's split is their growth, and a rounded total would skew a short epoch's."""
+        busy = time.monotonic() - self._train_started if self._train_started is not None else 0.0
+        return busy, getattr(self.optimizer, "comm_seconds", 0.0)
+
+    def recent_rounds(self, after: int | None = None) -> list[dict]:
+        """The epochs this peer completed one after another, each with the seconds it spent computing
+        and communicating in it (from any thread), oldest first: those after epoch ``after`` (a few
+        score at most; the caller asks again for the rest), or without it the newest few.  What its
+        status carries to the supervisor's per-round table."""
+        return self._rounds.recent() if after is None else self._rounds.after(after)
 
     def _log_progress(self, loss: float) -> None:
         """A line of the report between epochs (``report_every_s``): the loss since the last line."""

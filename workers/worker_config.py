@@ -8,9 +8,18 @@ from typing import Any, Literal
 import pydantic
 
 from p2p.devices import DeviceName
+from p2p.route import RelayRoute
 
 # workers.task.BUILTIN_TASKS makes them (tests/workers/test_rival_task.py keeps both equal)
 BUILTIN_TASK_NAMES = ("synthetic", "charlm", "moe-charlm")
+
+
+def check_route(text: str | None) -> str | None:
+    """A peer's dialing route in emulated regions, as ``RelayRoute``'s text (``relay=HOST:PORT
+    source=HOST remote=...``): one that parses (its ValueError says what is wrong), kept as text."""
+    if text is not None:
+        RelayRoute.parse(text)
+    return text
 
 
 class WorkerConfig(pydantic.BaseModel):
@@ -26,6 +35,9 @@ class WorkerConfig(pydantic.BaseModel):
     host: str = pydantic.Field("127.0.0.1", description="address to listen on")
     announce_host: str | None = pydantic.Field(None, description="the address other machines reach (default: host)")
     port: int = pydantic.Field(0, ge=0, le=65535, description="port to listen on; 0 is any free port")
+    route: str | None = pydantic.Field(None, description="emulated regions (the local simulator's provider.links): "
+                                       "dial these hosts through the regions' relay, 'relay=HOST:PORT source=HOST "
+                                       "remote=HOST,...' (p2p/route.py)")
     client_mode: bool = pydantic.Field(False, description="accept no connections (behind NAT)")
     identity_path: str | None = pydantic.Field(None, description="private key file (keeps the peer id)")
     target_batch_size: int = pydantic.Field(256, gt=0, description="global batch per optimizer step (collaborative)")
@@ -48,6 +60,8 @@ class WorkerConfig(pydantic.BaseModel):
                                       "inner_steps x the task's batch x round_peers)")
     outer_lr: float = pydantic.Field(0.7, gt=0, allow_inf_nan=False, description="diloco: the outer SGD's rate")
     outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="diloco: the outer SGD's Nesterov momentum")
+    overlap: bool = pydantic.Field(False, description="diloco: all-reduce a round while the next inner phase "
+                                   "trains (its outer step lands up to a round late)")
     max_epochs: int | None = pydantic.Field(None, gt=0, description="stop after this many global epochs")
     max_seconds: float | None = pydantic.Field(None, gt=0, description="stop after this many seconds")
     seed: int = pydantic.Field(0, description="this peer's data order (the initial weights come from the run)")
@@ -61,3 +75,5 @@ class WorkerConfig(pydantic.BaseModel):
     param_digests: bool = pydantic.Field(False, description="keep a digest of all parameters per epoch in history")
     membership_token: str | None = pydantic.Field(None, description="the run's certificate for this peer "
                                                   "(spotswarm token issue): with it, only members take part")
+
+    _route = pydantic.field_validator("route")(check_route)

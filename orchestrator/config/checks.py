@@ -27,16 +27,44 @@ def _node_config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
             for key, message in node_config_problems(config.provider.type, name, node_type.node_config)]
 
 
+def link_regions(config: ClusterConfig) -> dict[str, str]:
+    """Each node type the fleet launches, and its region: what ``provider.links`` joins (the
+    simulator's relay, ``orchestrator/sim/relay.py``, reads it too)."""
+    return {name: config.region_of(name) for name in config.fleet_types()}
+
+
+def _links_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
+    """``provider.links`` gives each region's workers their address: the network section may not name another."""
+    if config.provider.links is None:
+        return []
+    out = [(("network", key), f"{getattr(config.network, key)!r}, but provider.links gives each region's workers "
+                              "a loopback address of its own (127.77.<i>.1): remove one of the two")
+           for key in ("listen_host", "announce_host") if getattr(config.network, key) is not None]
+    regions = set(link_regions(config).values())
+    if len(regions) > 254:
+        out.append((("provider", "links"), f"{len(regions)} regions; at most 254 are emulated"))
+    return out
+
+
+def _links_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
+    """Links with one region only: nothing between regions to emulate."""
+    regions = sorted(set(link_regions(config).values()))
+    if config.provider.links is None or len(regions) > 1:
+        return []
+    return [(("provider", "links"), f"every node type is in region {regions[0]!r}: there is no link between "
+                                    "regions to emulate (give node types a region of their own)")]
+
+
 def config_warnings(config: ClusterConfig) -> list[tuple[Loc, str]]:
     """What is allowed but worth a word, as (key path, message): spot said twice, a spot head, a
-    gcp project for another provider."""
+    gcp project for another provider, emulated links with one region."""
     if config.provider.type == "gcp":
         return gcp_config_warnings(config)
     given = [k for k in ("project_id", "project") if k in config.provider.model_fields_set]
     out: list[tuple[Loc, str]] = [(("provider", key), f"read by the gcp provider only (the GCP project); ignored "
                                                       f"for provider {config.provider.type!r}")
                                   for key in given[:1]]  # project_id sets project too: one warning
-    return out + (aws_config_warnings(config) if config.provider.type == "aws" else [])
+    return out + (aws_config_warnings(config) if config.provider.type == "aws" else []) + _links_warnings(config)
 
 
 def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
@@ -48,6 +76,7 @@ def config_problems(config: ClusterConfig) -> list[tuple[Loc, str]]:
     if problem is not None:
         out.append((("provider", "type"), problem))
     out.extend(_node_config_problems(config))
+    out.extend(_links_problems(config))
     if config.provider.type == "aws":
         out.extend(aws_config_problems(config))
     if config.provider.type == "gcp":

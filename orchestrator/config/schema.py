@@ -9,11 +9,14 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
+import pydantic_core
+from pydantic_core import InitErrorDetails
 
 from orchestrator.config.loader import ConfigError as ConfigError  # raised for this module's configs by checks.py
 from orchestrator.config.loader import Loc, ModelFlags
@@ -36,12 +39,23 @@ class _Strict(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
 
+class LinksConfig(_Strict):
+    """The local simulator's links between its regions (any two different regions: a node type's
+    ``region``, else ``provider.region``): each region's workers get a loopback address of their own and
+    a relay carries the connections between regions at ``mbit`` each way, ``rtt_ms`` later a round trip
+    (``orchestrator/sim/relay.py``).  Within a region, plain loopback."""
+
+    mbit: float = pydantic.Field(gt=0, le=10_000, allow_inf_nan=False, description="each link's rate, each way")
+    rtt_ms: float = pydantic.Field(ge=0, le=10_000, allow_inf_nan=False, description="each link's round trip")
+
+
 class ProviderConfig(_Strict):
     type: Literal["local", "aws", "gcp"] = "local"
     # local simulator only: "actors" runs each instance as a Ray actor on the driver's node (light);
     # "nodes" starts each instance as its own raylet with the boot script, joining the run's Ray
     mode: Literal["actors", "nodes"] = "actors"
     namespaces: list[str] = []  # local "nodes" only: network namespaces, one per instance, own IPs
+    links: LinksConfig | None = None  # local "actors" only: slow links between the node types' regions
     region: str = "local"
     # Ray's key, comma-separated; for the cloud providers it gives zones when zones is not given
     availability_zone: str | None = None
@@ -84,6 +98,19 @@ class ProviderConfig(_Strict):
         if duplicates:
             raise ValueError(f"listed more than once: {', '.join(map(repr, duplicates))}")
         return names
+
+    @pydantic.field_validator("links")
+    @classmethod
+    def _links_are_local_actors(cls, links: LinksConfig | None, info: pydantic.ValidationInfo) -> LinksConfig | None:
+        kind, mode = info.data.get("type"), info.data.get("mode")
+        if links is not None and kind is not None and kind != "local":
+            raise ValueError(f"the local simulator's emulated links between regions; provider.type {kind!r} has "
+                             "real ones (remove links)")
+        if links is not None and mode == "nodes":
+            raise ValueError("emulated for provider.mode 'actors' only (its workers run on this machine's "
+                             "loopback); in mode 'nodes' give each instance a network namespace (namespaces) "
+                             "and shape its links there")
+        return links
 
     @pydantic.field_validator("warm_image")
     @classmethod
@@ -160,6 +187,26 @@ class NodeType(_Strict):
     preemption: PreemptionModel = PreemptionModel()
     # Mbit/s its instances declare for the all-reduce's load balancing; unset, each measures its own
     bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False)
+    # the provider's region this node type's capacity is in; unset: provider.region
+    region: str | None = pydantic.Field(None, min_length=1)
+    # the zones of its region it launches in; unset: provider.zones when its region is the provider's
+    # (aws in another region: that region's zones, found by the provider); see ClusterConfig.zones_of
+    zones: list[str] | None = None
+
+    @pydantic.field_validator("zones")
+    @classmethod
+    def _zones(cls, zones: list[str] | None) -> list[str] | None:
+        """Given, the list names zones, each once: an empty one would leave nowhere to launch."""
+        if zones is None:
+            return None
+        if not zones:
+            raise ValueError("names no zone: list at least one, or leave zones out for the provider's")
+        if any(not zone.strip() for zone in zones):
+            raise ValueError(f"{zones}: a zone name may not be empty")
+        duplicates = sorted({z for z in zones if zones.count(z) > 1})
+        if duplicates:
+            raise ValueError(f"listed more than once: {', '.join(map(repr, duplicates))}")
+        return zones
 
     @pydantic.model_validator(mode="after")
     def _check_sizes(self) -> NodeType:
@@ -202,6 +249,9 @@ class TrainingConfig(_Strict):
     inner_steps: int = pydantic.Field(50, ge=1)
     outer_lr: float = pydantic.Field(0.7, gt=0, allow_inf_nan=False)
     outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1)
+    # diloco: a round's all-reduce runs while the next inner phase trains; its outer step lands when it
+    # completes, and the inner progress made meanwhile is kept on top of it
+    overlap: bool = False
     group_size: int = pydantic.Field(16, ge=2)
     grid: list[int] = [2, 2]
     # "fp16" is the name "float16" had before the codecs were unified: accepted until the next release
@@ -340,6 +390,41 @@ class ClusterConfig(_Strict):
             raise ValueError(f"head_node_type {self.head_node_type!r} is not in available_node_types")
         return self
 
+    @pydantic.model_validator(mode="after")
+    def _regions(self) -> ClusterConfig:
+        """A node type's region and zones agree with its provider; each problem at its node type's key."""
+        problems = [problem for name in self.available_node_types for problem in _region_problems(self, name)]
+        if problems:
+            raise pydantic_core.ValidationError.from_exception_data("ClusterConfig", [
+                InitErrorDetails(type="value_error", loc=loc, input=value, ctx={"error": ValueError(message)})
+                for loc, value, message in problems])
+        return self
+
+    def region_of(self, node_type: str) -> str:
+        """The region a node type's capacity is in: its own ``region``, else ``provider.region``."""
+        return self.available_node_types[node_type].region or self.provider.region
+
+    def uses_provider_zones(self, node_type: str) -> bool:
+        """Whether a node type launches where ``provider.zones`` says (and where a provider that finds
+        the zones itself finds them): it lists none of its own and is in the provider's region."""
+        return self.available_node_types[node_type].zones is None and self.region_of(node_type) == self.provider.region
+
+    def zones_of(self, node_type: str) -> list[str]:
+        """A node type's zones as the config gives them: its own, else ``provider.zones`` in the
+        provider's region; [] for an aws node type in another region (the provider finds its zones)."""
+        own = self.available_node_types[node_type].zones
+        if own is not None:
+            return list(own)
+        return list(self.provider.zones) if self.region_of(node_type) == self.provider.region else []
+
+    def regions(self) -> list[str]:
+        """Every region the run's node types are in, the provider's first, then in the config's order."""
+        out = [self.provider.region]
+        for name in self.available_node_types:
+            if self.region_of(name) not in out:
+                out.append(self.region_of(name))
+        return out
+
     def run_dir(self, base: Path | None = None) -> Path:
         return (base or Path(self.runs_dir)) / self.cluster_name
 
@@ -404,7 +489,7 @@ class ClusterConfig(_Strict):
                             min_matchmaking_time=t.min_matchmaking_time_s, averaging_timeout=t.averaging_timeout_s,
                             moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
                             swarm_size=self.max_trainers(), inner_steps=t.inner_steps, outer_lr=t.outer_lr,
-                            outer_momentum=t.outer_momentum, round_peers=self.min_trainers(),
+                            outer_momentum=t.outer_momentum, overlap=t.overlap, round_peers=self.min_trainers(),
                             param_digests=t.param_digests, **extra)
 
     def expert_host_config(self, initial_peers: list[str], node_type: str | None = None,
@@ -425,6 +510,38 @@ class ClusterConfig(_Strict):
         if self.training.device == "cpu":
             return {}
         return {name: 1 for name, nt in self.fleet_types().items() if nt.resources.get("GPU", 0) >= 1}
+
+
+def _region_problems(config: ClusterConfig, name: str) -> list[tuple[Loc, Any, str]]:
+    """What is wrong with where node type ``name`` launches, as (key path, value, message): a region
+    of its own needs zones the provider can use, and zones must lie in the node type's region."""
+    nt, provider = config.available_node_types[name], config.provider
+    at, region = ("available_node_types", name), config.region_of(name)
+    if nt.zones is None:
+        if region == provider.region or provider.type == "aws":  # aws finds another region's zones itself
+            return []
+        example = f"{region}-b" if provider.type == "gcp" else f"{region}-a"
+        return [(at + ("zones",), None, f"node type {name!r} is in region {region!r}, not provider.region "
+                                        f"{provider.region!r}: list its zones there (e.g. zones: [{example}])")]
+    out = [(at + ("zones", i), zone, message) for i, zone in enumerate(nt.zones)
+           if (message := _zone_outside(provider.type, name, region, zone)) is not None]
+    out += [(at + ("spot_price_per_hour", zone), price, f"zone {zone!r} is not among the zones of node type "
+                                                        f"{name!r} ({', '.join(nt.zones)})")
+            for zone, price in nt.spot_price_per_hour.items() if zone not in nt.zones]
+    return out
+
+
+def _zone_outside(kind: str, name: str, region: str, zone: str) -> str | None:
+    """Why ``zone`` is not in ``region`` for provider ``kind`` (None: it is, or the provider cannot
+    tell): a GCE zone is ``<region>-<letter>``, an EC2 zone's name starts with its region's; the
+    local simulator's zones and regions are labels, and an unset region ("local") says nothing."""
+    if kind == "gcp" and region != "local" and not re.fullmatch(rf"{re.escape(region)}-[a-z]", zone):
+        return (f"zone {zone!r} of node type {name!r} is not in its region {region!r} (GCE zones are "
+                f"<region>-<letter>, e.g. {region}-b)")
+    if kind == "aws" and region != "local" and not zone.startswith(region):
+        return (f"zone {zone!r} of node type {name!r} is not in its region {region!r} (an EC2 zone's name "
+                f"starts with its region's, e.g. {region}a)")
+    return None
 
 
 def spot_said_twice(config: ClusterConfig, market_of: Callable[[NodeType], str | None], key: str,

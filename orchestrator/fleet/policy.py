@@ -22,7 +22,7 @@ from orchestrator.fleet.backoff import LaunchBackoff
 from orchestrator.fleet.budget import Budget
 from orchestrator.fleet.calls import Call, Calls
 from orchestrator.fleet.worker_control import HostsWorkers, WorkerControl
-from orchestrator.fleet.zones import PendingLaunch, ZoneChoice
+from orchestrator.fleet.zones import Choice, PendingLaunch, ZoneChoice
 from orchestrator.providers.base import (
     CapacityError,
     Instance,
@@ -57,7 +57,7 @@ class FleetPolicy:
         self.left: set[str] = set()
         self.spares: set[str] = set()  # warm spares (launched or launching): booted and joined, not training
         self.zone_choice = ZoneChoice(config, provider)
-        self.preemptions = self.zone_choice.preemptions  # (when, zone), read by the policy's tests too
+        self.preemptions = self.zone_choice.preemptions  # (when, region, zone), read by the policy's tests too
         self.budget = Budget(config, store)
         self.budget_exhausted = False
         self.fatal: str | None = None  # a problem only a person can fix (credentials): the run stops
@@ -259,7 +259,7 @@ class FleetPolicy:
         self.store.update_instance(instance_id, ended_at=now, end_reason=reason)
         self.store.event(reason, instance_id)
         if reason == "preempted":
-            self.preemptions.append((now, inst.zone))
+            self.preemptions.append((now, self._region(inst), inst.zone))
         if reason == "died" and not inst.tags.get("peer_id"):
             self._boot_failed(now)
         if reason in ("preempted", "died"):
@@ -300,6 +300,7 @@ class FleetPolicy:
         if b.kind == "launch":
             spec: LaunchSpec = b.detail
             self.store.event("launch_failed", detail={"node_type": spec.node_type, "zone": spec.zone,
+                                                      "region": self.config.region_of(spec.node_type),
                                                       "market": spec.market, "error": str(error)})
             logger.warning("launching %s in %s (%s) failed: %s", spec.node_type, spec.zone, spec.market, error)
             self.spares.discard(spec.instance_id)
@@ -333,6 +334,7 @@ class FleetPolicy:
         if isinstance(error, CapacityError):
             self.zone_choice.no_capacity[(spec.node_type, error.zone, error.market)] = now + self.no_capacity_s
             self.store.event("no_capacity", detail={"node_type": spec.node_type, "zone": error.zone,
+                                                    "region": self.config.region_of(spec.node_type),
                                                     "market": error.market, "error": str(error)})
             return
         wait = self.backoff.launch_failed(now)
@@ -341,30 +343,48 @@ class FleetPolicy:
     # ---- fleet -----------------------------------------------------------------------------------
     def _reconcile(self, now: float) -> None:
         """Keep at least min_workers and scale up to max_workers (plus the warm spares) while the budget
-        allows."""
+        allows.  The node types of one region fill in the config's order; across regions the next
+        launch is the cheapest capacity: of each region's next node type, the one whose best zone
+        scores lowest (a tie: the region listed first)."""
         launching = [c.detail for c in self.calls.of_kind("launch")]
+        have: dict[str, int] = {}
+        short: dict[str, list[str]] = {}  # region -> its node types below their size, in the config's order
+        for name, node_type in self.config.fleet_types().items():  # not the head: the supervisor runs there
+            have[name] = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
+            have[name] += sum(1 for p in self.pending if p.node_type == name)
+            have[name] += sum(1 for s in launching if s.node_type == name)
+            if have[name] < node_type.max_workers + node_type.warm_spares:
+                short.setdefault(self.config.region_of(name), []).append(name)
         rate: float | None = None  # the fleet's $/h, summed once (the first time a launch is weighed)
-        for name, node_type in self.config.available_node_types.items():
-            if name == self.config.head_node_type:
-                continue  # the head is the machine the supervisor runs on, not one of the fleet's
-            have = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
-            have += sum(1 for p in self.pending if p.node_type == name)
-            have += sum(1 for s in launching if s.node_type == name)
-            while have < node_type.max_workers + node_type.warm_spares:
-                zone, market = self.zone_choice.choose(name, now)
-                if not self.zone_choice.has_capacity(name, zone, market, now):
-                    self.status_text = f"no capacity for {name} in any zone; trying again shortly"
-                    break
+        while short:
+            choice = self._next_launch(short, now)
+            name, zone, market = choice.node_type, choice.zone, choice.market
+            node_type = self.config.available_node_types[name]
+            full = True  # this node type takes no more launches this tick
+            if not self.zone_choice.has_capacity(name, zone, market, now):
+                self.status_text = f"no capacity for {name} in any zone; trying again shortly"
+            else:
                 price = self.provider.price(name, zone, market)
                 rate = self._rate() if rate is None else rate
                 if not self.budget.allows(rate, price, now):
-                    if have < node_type.min_workers:
+                    if have[name] < node_type.min_workers:
                         self.status_text = f"budget: cannot launch {name} (min_workers {node_type.min_workers})"
-                    break
-                self.pending.append(PendingLaunch(name, zone, market, now + self.provider.provisioning_delay))
-                self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market})
-                rate += price  # what _rate() would say now, without summing a thousand instances again
-                have += 1
+                else:
+                    self.pending.append(PendingLaunch(name, zone, market, now + self.provider.provisioning_delay))
+                    self.store.event("launch_requested", detail={"node_type": name, "zone": zone, "market": market,
+                                                                 "region": choice.region})
+                    rate += price  # what _rate() would say now, without summing a thousand instances again
+                    have[name] += 1
+                    full = have[name] >= node_type.max_workers + node_type.warm_spares
+            if full:
+                short[choice.region].pop(0)
+                if not short[choice.region]:
+                    del short[choice.region]
+
+    def _next_launch(self, short: dict[str, list[str]], now: float) -> Choice:
+        """The best choice of each region's first short node type, and of those the cheapest."""
+        choices = [self.zone_choice.best(names[0], now) for names in short.values()]
+        return choices[0] if len(choices) == 1 else min(choices, key=lambda c: c.score)
 
     def _rate(self) -> float:
         """Dollars per hour of the instances live, pending and launching."""
@@ -479,9 +499,11 @@ class FleetPolicy:
     def _launched(self, inst: Instance, place: bool = True) -> None:
         self.live[inst.id] = inst
         self.backoff.launched()
+        inst.region = self._region(inst)
         od = self.config.available_node_types[inst.node_type].on_demand_price_per_hour
         self.store.launched(InstanceRecord(inst.id, inst.node_type, inst.zone, inst.market, inst.price_per_hour,
-                                           od, inst.launched_at, peer_id=inst.tags.get("peer_id")))
+                                           od, inst.launched_at, peer_id=inst.tags.get("peer_id"),
+                                           region=inst.region))
         if inst.id in self.spares:
             self.store.event("standby", inst.id)  # a warm spare: billed, booted, not training until activated
         if self.fatal is not None:  # the run stopped while this launch was in flight: nothing will work
@@ -494,6 +516,12 @@ class FleetPolicy:
             self._submit("release", inst, self._release, inst)
         elif place and not self.hosts_workers:
             self._submit("place", inst, self.workers.place, inst, self._worker_args_of(inst.id, inst.node_type))
+
+    def _region(self, inst: Instance) -> str:
+        """Where an instance runs: as its provider says, else its node type's region."""
+        if inst.region or inst.node_type not in self.config.available_node_types:
+            return inst.region
+        return self.config.region_of(inst.node_type)
 
     def _release(self, inst: Instance) -> None:
         try:

@@ -29,4 +29,4 @@ def make_provider(config, clock, run_dir: Path) -> NodeProvider:
         return LocalNodeProvider(config, clock, Path(run_dir) / "nodes")
     from orchestrator.sim.actors import LocalSpotProvider
 
-    return LocalSpotProvider(config, clock)
+    return LocalSpotProvider(config, clock, run_dir=Path(run_dir))

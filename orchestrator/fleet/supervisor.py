@@ -14,6 +14,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -37,7 +38,7 @@ from orchestrator.providers.base import Instance, LaunchSpec
 from orchestrator.providers.bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
 from orchestrator.runs.durable import BackgroundArchiver, RunArchive
 from orchestrator.runs.logs import SUPERVISOR_LOG, log_dir, log_path, log_to_file, stop_logging
-from orchestrator.runs.store import RunStore
+from orchestrator.runs.store import RoundRecord, RunStore
 from p2p import Identity
 from workers.progress import ProgressTracker
 from workers.progress_tree import ProgressLayout
@@ -68,6 +69,21 @@ class SimClock:
         return simulated_seconds / self.scale
 
 
+def parse_rounds(instance_id: str, reported: Any) -> list[RoundRecord]:
+    """The rounds a trainer's status carried (``TrainingPeer.recent_rounds``), oldest first; one that
+    does not parse is logged and skipped, never a reason to lose the others."""
+    rounds = []
+    for r in reported if isinstance(reported, list) else []:
+        try:
+            record = RoundRecord(int(r["epoch"]), float(r["compute_s"]), float(r["comm_s"]))
+            if not (math.isfinite(record.compute_s) and math.isfinite(record.comm_s)):
+                raise ValueError("not a finite number of seconds")
+            rounds.append(record)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("instance %s reported a round that does not parse (%s): %r", instance_id, e, r)
+    return sorted(rounds, key=lambda r: r.epoch)
+
+
 class SupervisorCore:
     """The supervisor's work, runnable in any process; ``Supervisor`` wraps it in a Ray actor.
     Fleet decisions are the ``FleetPolicy``'s; this adds the run's DHT peer, progress records,
@@ -78,6 +94,7 @@ class SupervisorCore:
         self.tick_s = tick_s
         self._log = log_to_file(log_path(run_dir, SUPERVISOR_LOG))  # the run's own log, not Ray's session's
         self.store = RunStore(run_dir)
+        self._rounds_stored: dict[str, int] = {}  # instance id -> its newest epoch in ``rounds``
         last = self.store.last_time()
         scale = config.provider.time_scale if config.provider.type == "local" else 1.0
         self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
@@ -343,7 +360,8 @@ class SupervisorCore:
                             epoch * self.epoch_samples)
 
     def _record_costs(self) -> None:
-        """The trainers' totals their status answers brought (bytes per sample, time averaging)."""
+        """The trainers' totals their status answers brought (bytes per sample, time averaging), and
+        the rounds they completed (each round's compute and communication seconds)."""
         take = getattr(self.policy.workers, "take_costs", None)
         for instance_id, c in (take() if take is not None else {}).items():
             try:
@@ -351,6 +369,16 @@ class SupervisorCore:
                                       float(c["busy_s"]))
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("instance %s reported costs that do not parse (%s): %r", instance_id, e, c)
+            self._record_rounds(instance_id, c.get("rounds") if isinstance(c, dict) else None)
+
+    def _record_rounds(self, instance_id: str, reported: Any) -> None:
+        """Store the rounds newer than those stored already: answers to status calls in flight at once
+        may repeat some, and a resumed supervisor hears again of those its predecessor stored."""
+        newest = self._rounds_stored.get(instance_id, -1)
+        fresh = [r for r in parse_rounds(instance_id, reported) if r.epoch > newest]
+        if fresh:
+            self.store.rounds(instance_id, fresh)
+            self._rounds_stored[instance_id] = max(r.epoch for r in fresh)
 
     def _record_first_steps(self, peers: dict) -> None:
         """An instance's first averaged step: its peer's epoch moves past the one it started at

@@ -41,6 +41,7 @@ class RayWorkers:
         self._worker_node: dict[str, str] = {}  # instance id -> the Ray node its worker last answered from
         self._handles: dict[str, Any] = {}  # instance id -> its worker actor (a name lookup is a GCS call)
         self._costs: dict[str, dict] = {}  # instance id -> its trainer's newest cost totals, not yet recorded
+        self._rounds_after: dict[str, int] = {}  # instance id -> the newest round its answers brought
 
     def _actor(self, instance: Instance) -> Any:
         return self.handle(instance.id)
@@ -137,7 +138,7 @@ class RayWorkers:
         for instance_id in instance_ids:
             if instance_id not in checks:
                 try:
-                    checks[instance_id] = self.handle(instance_id).status.remote()
+                    checks[instance_id] = self.handle(instance_id).status.remote(self._rounds_cursor(instance_id))
                 except ValueError:
                     continue
         if not checks:
@@ -156,13 +157,30 @@ class RayWorkers:
                 self._note_costs(instance_id, answers[instance_id])
         return answers
 
+    def _rounds_cursor(self, instance_id: str) -> int:
+        """What a status call asks a trainer for: its rounds after the newest one we heard of (all it
+        kept, at first, so a new supervisor also hears of those its predecessor missed)."""
+        return self._rounds_after.get(instance_id, -1)
+
     def _note_costs(self, instance_id: str, status: dict) -> None:
-        if isinstance(status.get("costs"), dict):
-            self._costs[instance_id] = status["costs"]
+        """Keep a trainer's newest totals, and every round any answer since the last take carried
+        (answers to calls in flight at once may repeat some; each is kept once)."""
+        costs = status.get("costs")
+        if not isinstance(costs, dict):
+            return
+        rounds = {r.get("epoch"): r for r in self._costs.get(instance_id, {}).get("rounds", [])
+                  if isinstance(r, dict)}
+        if isinstance(costs.get("rounds"), list):
+            rounds.update((r.get("epoch"), r) for r in costs["rounds"] if isinstance(r, dict))
+        self._costs[instance_id] = {**costs, "rounds": list(rounds.values())}
+        epochs = [e for e in rounds if isinstance(e, int)]
+        if epochs:
+            self._rounds_after[instance_id] = max(self._rounds_cursor(instance_id), *epochs)
 
     def take_costs(self) -> dict[str, dict]:
         """The trainers' cost totals their status answers carried since the last call (see
-        ``TrainingPeer.costs``): what the dashboard's bytes per sample and time split come from."""
+        ``TrainingPeer.costs``), with the rounds they completed (``TrainingPeer.recent_rounds``):
+        what the dashboard's bytes per sample, time split and per-round table come from."""
         costs, self._costs = self._costs, {}
         return costs
 
@@ -200,7 +218,8 @@ class RayWorkers:
                 continue
             self._next_alive_check[instance_id] = now + self.check_every_s
             try:
-                self._alive_checks[instance_id] = self.handle(instance_id).status.remote()
+                self._alive_checks[instance_id] = self.handle(instance_id).status.remote(
+                    self._rounds_cursor(instance_id))
             except ValueError:  # no actor by that name (yet): placement reports its own failures
                 continue
         refs = {ref: i for i, ref in self._alive_checks.items()}

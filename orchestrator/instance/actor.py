@@ -56,8 +56,9 @@ class WorkerActor:
         info = self.core.start(args, watch)
         return {**info, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def status(self) -> dict:
-        return {**self.core.status(), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+    def status(self, rounds_after: int | None = None) -> dict:
+        return {**self.core.status(rounds_after), "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     # the rest is the core's, as it is: see WorkerCore
     def activate(self) -> bool:

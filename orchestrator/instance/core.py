@@ -127,7 +127,9 @@ class WorkerCore:
         # as for a notice the supervisor forwards: most of it for training, the rest is margin for the kill
         self.notice(max(notice.deadline_s * 0.8, 0.5))
 
-    def status(self) -> dict:
+    def status(self, rounds_after: int | None = None) -> dict:
+        """What the worker is doing; a trainer's also carries its cost totals and the rounds it
+        completed after epoch ``rounds_after`` (the newest round the caller has; None: the newest few)."""
         peer, host = self.peer, self.host
         status = {"epoch": peer.epoch if peer else 0, "left": self.left.is_set(), "worker_pid": os.getpid(),
                   "phase": peer.phase if peer else "idle",
@@ -136,7 +138,7 @@ class WorkerCore:
         if host is not None:
             status.update(role="experts", peer_id=host.peer_id, address=host.address, hosted=host.hosted())
         elif peer is not None and peer.optimizer is not None:
-            status["costs"] = peer.costs()
+            status["costs"] = {**peer.costs(), "rounds": peer.recent_rounds(rounds_after)}
         return status
 
     def stop_stepping(self, timeout: float) -> dict | None:

@@ -4,7 +4,9 @@ The node type's ``node_config`` goes to ``run_instances`` as in Ray's AWS cluste
 the tags, the boot script as user data, IMDSv2 (required), the zone (``Placement`` or the zone's
 subnet from ``SubnetIds``) and the market (``InstanceMarketOptions`` for spot, none on demand).
 Spot prices come from ``describe_spot_price_history`` (cached, refreshed from the poll thread);
-on-demand prices from the config.
+on-demand prices from the config.  A node type may sit in a region of its own (``region``): the
+provider keeps one EC2 client per region the run uses, and launches, terminates, lists and prices
+each node type in its region.
 
 Errors are sorted once, here: no capacity (next zone, then on-demand: the policy decides),
 throttling (retried with exponential backoff and jitter), refused credentials (the run stops),
@@ -45,6 +47,12 @@ GONE_STATES = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
 SPOT_TERMINATION = "Server.SpotInstanceTermination"
 DEFAULT_SPOT_OPTIONS = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
 USER_DATA_LIMIT = 16 * 1024  # EC2 refuses larger user data
+REGION_KEY = "SpotswarmRegion"  # added to a described instance: the region whose client listed it
+
+
+def _subnet_ids(node_config: dict) -> list[str]:
+    """A node config's subnets: Ray's ``SubnetIds`` and EC2's ``SubnetId``."""
+    return [s for s in node_config.get("SubnetIds", []) + [node_config.get("SubnetId")] if s]
 
 
 def _error_code(error: Exception) -> str:
@@ -60,16 +68,23 @@ class AwsProvider(CloudProvider):
 
     def __init__(self, config: ClusterConfig, clock: Any, client: Any = None, max_attempts: int = 8) -> None:
         super().__init__(config, clock, max_attempts)
-        self.ec2 = client or self._client(config)
-        self.ec2.meta.events.register("before-call.ec2.*", self._count)
+        self.region = config.provider.region
+        self.ec2 = client or self._client(config, self.region)  # the provider region's
+        self.clients: dict[str, Any] = {region: self.ec2 if region == self.region else self._client(config, region)
+                                        for region in config.regions()}
+        for ec2 in self.clients.values():
+            ec2.meta.events.register("before-call.ec2.*", self._count)
         self._spot_prices: dict[tuple[str, str], float] = {}
         self._prices_at = float("-inf")
+        self._region_zone_names: dict[str, list[str]] = {}
         self._subnets = self._zone_subnets()
-        self.zones = list(config.provider.zones) or sorted(self._subnets) or self._region_zones()
+        provider_subnets = [z for z, ids in self._subnets.items() if set(ids) & self._region_subnets(self.region)]
+        self.zones = list(config.provider.zones) or sorted(provider_subnets) or self._region_zones(self.region)
+        self._node_type_zones = {name: self._find_zones(name) for name in config.fleet_types()}
         self.refresh_prices()
 
     @staticmethod
-    def _client(config: ClusterConfig) -> Any:
+    def _client(config: ClusterConfig, region: str) -> Any:
         try:
             import boto3
             from botocore.config import Config
@@ -77,23 +92,25 @@ class AwsProvider(CloudProvider):
             raise ProviderError("the aws provider needs boto3: pip install 'spotswarm[aws]'") from None
         # botocore's own retries are off: throttling is retried here, with jitter, and counted
         settings = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
-        return boto3.client("ec2", region_name=config.provider.region, endpoint_url=config.provider.endpoint_url,
-                            config=settings)
+        return boto3.client("ec2", region_name=region, endpoint_url=config.provider.endpoint_url, config=settings)
 
     def _count(self, model: Any = None, **_: Any) -> None:
         self.calls[model.name if model is not None else "?"] += 1
 
     # ---- calling EC2 -----------------------------------------------------------------------------
-    def _call(self, operation: str, **params: Any) -> dict:
-        """One EC2 call: throttling is retried with exponential backoff and jitter; every other
-        failure becomes a ProviderError (or CapacityError, ProviderAuthError) naming the call."""
-        return retry_transient(f"EC2 {operation}", self.max_attempts, self._call_once, operation, params)
+    def _call(self, operation: str, region: str | None = None, **params: Any) -> dict:
+        """One EC2 call in ``region`` (None: the provider's): throttling is retried with exponential
+        backoff and jitter; every other failure becomes a ProviderError (or CapacityError,
+        ProviderAuthError) naming the call."""
+        region = region or self.region
+        what = f"EC2 {operation}" if region == self.region else f"EC2 {operation} in {region}"
+        return retry_transient(what, self.max_attempts, self._call_once, self.clients[region], operation, params)
 
-    def _call_once(self, operation: str, params: dict) -> dict:
+    def _call_once(self, ec2: Any, operation: str, params: dict) -> dict:
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
-            return getattr(self.ec2, operation)(**params)
+            return getattr(ec2, operation)(**params)
         except ClientError as e:
             code = _error_code(e)
             message = e.response.get("Error", {}).get("Message", str(e))
@@ -113,34 +130,59 @@ class AwsProvider(CloudProvider):
             raise Transient() from e
 
     # ---- zones and prices ------------------------------------------------------------------------
+    def _region_subnets(self, region: str) -> set[str]:
+        """The subnets the node types of ``region`` name."""
+        return {s for name, nt in self.config.available_node_types.items()
+                if self.config.region_of(name) == region for s in _subnet_ids(nt.node_config)}
+
     def _zone_subnets(self) -> dict[str, list[str]]:
         """Zone -> the subnets of every node type's ``SubnetIds``/``SubnetId`` (a zone's instances go
-        to its subnet)."""
-        ids = sorted({s for nt in self.config.available_node_types.values()
-                      for s in nt.node_config.get("SubnetIds", []) + [nt.node_config.get("SubnetId")] if s})
-        if not ids:
-            return {}
+        to its subnet), each region's asked of that region (a zone's name is its region's alone)."""
         zones: dict[str, list[str]] = {}
-        for subnet in self._call("describe_subnets", SubnetIds=ids)["Subnets"]:
-            zones.setdefault(subnet["AvailabilityZone"], []).append(subnet["SubnetId"])
+        for region in self.clients:
+            ids = sorted(self._region_subnets(region))
+            if not ids:
+                continue
+            for subnet in self._call("describe_subnets", region=region, SubnetIds=ids)["Subnets"]:
+                zones.setdefault(subnet["AvailabilityZone"], []).append(subnet["SubnetId"])
         return zones
 
-    def _region_zones(self) -> list[str]:
-        answer = self._call("describe_availability_zones",
-                            Filters=[{"Name": "state", "Values": ["available"]}])
-        return sorted(z["ZoneName"] for z in answer["AvailabilityZones"])
+    def _region_zones(self, region: str) -> list[str]:
+        """Every available zone of ``region`` (asked once per region)."""
+        if region not in self._region_zone_names:
+            answer = self._call("describe_availability_zones", region=region,
+                                Filters=[{"Name": "state", "Values": ["available"]}])
+            self._region_zone_names[region] = sorted(z["ZoneName"] for z in answer["AvailabilityZones"])
+        return self._region_zone_names[region]
+
+    def _find_zones(self, name: str) -> list[str]:
+        """Where a node type launches: as the provider's region does where it lists no zones and is in
+        it; else its own zones; else its subnets' zones, or every zone of its region."""
+        if self.config.uses_provider_zones(name):
+            return self.zones
+        own = self.config.zones_of(name)
+        if own:
+            return own
+        mine = set(_subnet_ids(self.config.available_node_types[name].node_config))
+        return sorted(z for z, ids in self._subnets.items() if mine & set(ids)) or \
+            self._region_zones(self.config.region_of(name))
+
+    def zones_for(self, node_type: str) -> list[str] | None:
+        return self._node_type_zones.get(node_type)
 
     def _instance_type(self, node_type: str) -> str | None:
         return self.config.available_node_types[node_type].node_config.get("InstanceType")
 
     def refresh_prices(self) -> None:
-        """The current spot price of every node type's instance type in every zone (one call per type)."""
+        """The current spot price of every node type's instance type in every zone of its region (one
+        call per type)."""
         prices: dict[tuple[str, str], float] = {}
         for name in self.config.available_node_types:
             kind = self._instance_type(name)
             if name == self.config.head_node_type or kind is None:
                 continue
-            history = self._call("describe_spot_price_history", InstanceTypes=[kind],
+            history = self._call("describe_spot_price_history", region=self.config.region_of(name),
+                                 InstanceTypes=[kind],
                                  ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
                                  StartTime=time.time(), MaxResults=1000)["SpotPriceHistory"]
             newest: dict[str, tuple[Any, float]] = {}
@@ -167,7 +209,7 @@ class AwsProvider(CloudProvider):
         params.setdefault("InstanceInitiatedShutdownBehavior", "terminate")  # a shut-down machine stops billing
         params["MetadataOptions"] = {**params.get("MetadataOptions", {}), "HttpTokens": "required",
                                      "HttpEndpoint": "enabled"}
-        subnets = [s for s in spec.node_config.get("SubnetIds", []) + [spec.node_config.get("SubnetId")] if s]
+        subnets = _subnet_ids(spec.node_config)
         if subnets:
             in_zone = [s for s in subnets if s in self._subnets.get(spec.zone, [])]
             if not in_zone:
@@ -210,14 +252,21 @@ class AwsProvider(CloudProvider):
     def launch(self, spec: LaunchSpec) -> Instance:
         params = self.run_params(spec)
         try:
-            answer = self._call("run_instances", **params)
+            answer = self._call("run_instances", region=self.config.region_of(spec.node_type), **params)
         except CapacityError as e:
             raise CapacityError(str(e), spec.zone, spec.market) from None
         return self._launched(spec, answer["Instances"][0]["InstanceId"])
 
+    def _region_of(self, instance: Instance) -> str:
+        """The region an instance runs in: as recorded, else its node type's (else the provider's)."""
+        if instance.region in self.clients:
+            return instance.region
+        known = instance.node_type in self.config.available_node_types
+        return self.config.region_of(instance.node_type) if known else self.region
+
     def terminate(self, instance: Instance) -> None:
         try:
-            self._call("terminate_instances", InstanceIds=[instance.handle])
+            self._call("terminate_instances", region=self._region_of(instance), InstanceIds=[instance.handle])
         except ProviderError as e:
             if "InvalidInstanceID.NotFound" not in str(e):
                 raise
@@ -225,12 +274,18 @@ class AwsProvider(CloudProvider):
 
     # ---- the fleet as EC2 sees it ----------------------------------------------------------------
     def _describe(self, tag_filters: dict[str, str], states: list[str] | None = None) -> list[dict]:
+        """The instances with these tags in every region the run uses, each marked with its region."""
+        return [{**d, REGION_KEY: region} for region in self.clients
+                for d in self._describe_region(region, tag_filters, states)]
+
+    def _describe_region(self, region: str, tag_filters: dict[str, str], states: list[str] | None) -> list[dict]:
         filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in tag_filters.items()]
         if states:
             filters.append({"Name": "instance-state-name", "Values": states})
         found, token = [], None
         while True:
-            page = self._call("describe_instances", Filters=filters, **({"NextToken": token} if token else {}))
+            page = self._call("describe_instances", region=region, Filters=filters,
+                              **({"NextToken": token} if token else {}))
             found += [i for r in page["Reservations"] for i in r["Instances"]]
             token = page.get("NextToken")
             if not token:
@@ -239,10 +294,10 @@ class AwsProvider(CloudProvider):
     def _machine(self, described: dict) -> Machine:
         return Machine(described["InstanceId"], {t["Key"]: t["Value"] for t in described.get("Tags", [])},
                        described["Placement"]["AvailabilityZone"], described.get("InstanceLifecycle") == "spot",
-                       described["LaunchTime"].timestamp())
+                       described["LaunchTime"].timestamp(), described.get(REGION_KEY, ""))
 
     def _release(self, described: dict) -> None:
-        self._call("terminate_instances", InstanceIds=[described["InstanceId"]])
+        self._call("terminate_instances", region=described.get(REGION_KEY), InstanceIds=[described["InstanceId"]])
 
     def list(self, tag_filters: dict[str, str]) -> list[Instance]:
         return self._adopt(self._describe(tag_filters, ["pending", "running"]))
@@ -275,17 +330,22 @@ class AwsProvider(CloudProvider):
         return gone
 
     def shutdown(self) -> None:
-        self.ec2.close()
+        for ec2 in self.clients.values():
+            ec2.close()
 
 
 def terminate_run(config: ClusterConfig, clock: Any = time.time) -> list[str]:
-    """Terminate every instance tagged with the run (``spotswarm down`` when no head is left)."""
+    """Terminate every instance tagged with the run, in every region the config names (``spotswarm
+    down`` when no head is left)."""
     provider = AwsProvider(config, clock)
     try:
         found = provider._describe({RUN_TAG: config.cluster_name}, ["pending", "running", "stopping", "stopped"])
-        ids = [d["InstanceId"] for d in found]
-        if ids:
-            provider._call("terminate_instances", InstanceIds=ids)
+        ids = []
+        for region in provider.clients:
+            here = [d["InstanceId"] for d in found if d[REGION_KEY] == region]
+            if here:
+                provider._call("terminate_instances", region=region, InstanceIds=here)
+            ids += here
         return ids
     finally:
         provider.shutdown()

@@ -50,6 +50,7 @@ class Instance:
     launched_at: float
     tags: dict[str, str] = field(default_factory=dict)
     handle: Any = None  # provider-specific: a cloud's own id, a process group, a Ray actor
+    region: str = ""  # the region it runs in (its node type's); "" where the provider did not say
 
 
 @dataclass
@@ -106,7 +107,8 @@ class NodeProvider(abc.ABC):
     #: seconds between asking for an instance and the cloud starting to bill it
     provisioning_delay: float = 0.0
 
-    #: zones to launch in when the provider knows them better than the config (a cloud's subnets)
+    #: zones of the provider's region to launch in when the provider knows them better than the config
+    #: (a cloud's subnets): for the node types that list no zones of their own
     zones: list[str] | None = None
 
     #: real seconds between polls (``poll_notices``/``poll_terminated``): a cloud's API is rate limited
@@ -135,6 +137,11 @@ class NodeProvider(abc.ABC):
     @abc.abstractmethod
     def poll_terminated(self, now: float) -> list[str]:
         """Ids of instances the cloud took away (or that died) since the last poll."""
+
+    def zones_for(self, node_type: str) -> list[str] | None:
+        """The zones ``node_type`` launches in when the provider knows them better than the config
+        (another region's zones, found by asking the cloud); None: ``zones``, else the config's."""
+        return None
 
     def was_preempted(self, instance_id: str) -> bool:
         """Whether the cloud says it took this terminated instance back (answers at once, from the

@@ -29,6 +29,7 @@ class Machine:
     zone: str
     spot: bool
     created: float  # wall-clock seconds
+    region: str = ""  # where the cloud answered for it ("": the machine's node type's region)
 
 
 class CloudProvider(NodeProvider):
@@ -57,10 +58,10 @@ class CloudProvider(NodeProvider):
     def _launched(self, spec: LaunchSpec, handle: str) -> Instance:
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
                         self.price(spec.node_type, spec.zone, spec.market), self.clock(), tags=dict(spec.tags),
-                        handle=handle)
+                        handle=handle, region=self.config.region_of(spec.node_type))
         with self._lock:
             self.instances[inst.id] = inst
-        logger.info("launched %s as %s in %s (%s)", inst.id, handle, spec.zone, spec.market)
+        logger.info("launched %s as %s in %s, %s (%s)", inst.id, handle, inst.region, spec.zone, spec.market)
         return inst
 
     def _forget(self, instance_ids: Iterable[str]) -> None:
@@ -82,7 +83,8 @@ class CloudProvider(NodeProvider):
             return None
         market, age = "spot" if machine.spot else "on-demand", time.time() - machine.created
         return Instance(instance_id, node_type, machine.zone, market, self.price(node_type, machine.zone, market),
-                        self.clock() - max(age, 0.0), tags=machine.tags, handle=machine.handle)
+                        self.clock() - max(age, 0.0), tags=machine.tags, handle=machine.handle,
+                        region=machine.region or self.config.region_of(node_type))
 
     def _adopt(self, described: Iterable[Any]) -> list[Instance]:
         """Live described machines as instances, held from now on (the one already held if any)."""

@@ -14,7 +14,8 @@ resource not ready: the next zone, then on-demand; the policy decides), rate lim
 with reason rateLimitExceeded: retried with exponential backoff and jitter), refused credentials
 (401, other 403s: the run stops), anything else (a launch failure the policy backs off from).
 Notices come from the instances' own metadata watchers; ``poll_terminated`` reconciles with
-``instances.list``.
+``instances.list``.  Every call is zone-scoped, so a node type in a region of its own needs only its
+zones: the run's instances are listed in every zone of every node type.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ class GcpProvider(CloudProvider):
         self.zones = list(config.provider.zones)
         if not self.zones:
             raise ProviderError("the gcp provider needs provider.zones (or provider.availability_zone)")
+        self.list_zones = every_zone(config)
         self._list_zone(self.zones[0], {RUN_TAG: config.cluster_name}, max_results=1)  # refused credentials: now
 
     # ---- calling GCE -----------------------------------------------------------------------------
@@ -333,7 +335,7 @@ class GcpProvider(CloudProvider):
                 return found
 
     def _list(self, tag_filters: dict[str, str]) -> list[Any]:
-        return [i for zone in self.zones for i in self._list_zone(zone, tag_filters)]
+        return [i for zone in self.list_zones for i in self._list_zone(zone, tag_filters)]
 
     def _tags(self, described: Any) -> dict[str, str]:
         """The exact tags (the metadata item), else the labels (lowercased, maybe hashed)."""
@@ -411,6 +413,14 @@ class GcpProvider(CloudProvider):
                 transport.close()
 
 
+def every_zone(config: ClusterConfig) -> list[str]:
+    """Every zone the run may have instances in: the provider's, then each node type's own, once each."""
+    zones = list(config.provider.zones)
+    for name in config.available_node_types:
+        zones += [z for z in config.zones_of(name) if z not in zones]
+    return zones
+
+
 def _is_spot(described: Any) -> bool:
     scheduling = described.scheduling
     return bool(scheduling) and (scheduling.provisioning_model == "SPOT" or bool(scheduling.preemptible))
@@ -437,7 +447,7 @@ def terminate_run(config: ClusterConfig, clock: Any = time.time) -> list[str]:
     provider = GcpProvider(config, clock)
     try:
         names = []
-        for zone in provider.zones:
+        for zone in provider.list_zones:
             for described in provider._list_zone(zone, {RUN_TAG: config.cluster_name}):
                 provider._delete(zone, described.name)
                 names.append(described.name)

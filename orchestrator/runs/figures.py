@@ -1,7 +1,7 @@
 """The figures of a run, computed from its store alone: headline numbers, time series, the
-instance table and the cost breakdown.  The dashboard, its JSON API, ``/metrics``, the static
-report, ``spotswarm status`` and the live table of ``spotswarm up`` all read them from here, so
-they always agree.
+instance table, the per-round table and the cost breakdown.  The dashboard, its JSON API,
+``/metrics``, the static report, ``spotswarm status`` and the live table of ``spotswarm up`` all
+read them from here, so they always agree.
 
 Times are the run's own clock (simulated seconds with the local provider); series are in seconds
 since the run's first record.  Cost is per-second billing: instance-seconds × the instance's
@@ -287,6 +287,13 @@ class InstanceRow:
     noticed: bool
     bytes_per_sample: float | None = None  # a trainer's: every byte it sent over the samples it trained
     comm_fraction: float | None = None  # of its training time, the part spent averaging or loading state
+    region: str | None = None  # None: not recorded (a run from before regions)
+
+    @property
+    def place(self) -> str:
+        """The zone as a person reads it: with its region where the zone's name does not say it (the
+        local simulator's labels), as a cloud's zone names do (us-east-1a, us-central1-b)."""
+        return self.zone if not self.region or self.zone.startswith(self.region) else f"{self.zone} ({self.region})"
 
 
 def instance_rows(store: RunStore, now: float) -> list[InstanceRow]:
@@ -297,8 +304,52 @@ def instance_rows(store: RunStore, now: float) -> list[InstanceRow]:
         samples, sent, comm, busy = costs.get(i.id, (0, 0, 0.0, 0.0))
         rows.append(InstanceRow(i.id, i.node_type, i.zone, i.market, i.price_per_hour, i.launched_at - start,
                                 i.seconds(now), i.cost(now), i.end_reason or "running", i.notice_at is not None,
-                                sent / samples if samples else None, comm / busy if busy > 0 else None))
+                                sent / samples if samples else None, comm / busy if busy > 0 else None, i.region))
     return rows
+
+
+# ---- rounds ------------------------------------------------------------------------------------
+#: epochs the page's and the report's per-round table show, newest first
+ROUNDS_SHOWN = 20
+
+
+@dataclass
+class RoundRow:
+    """One epoch (a DiLoCo outer round): the mean over the trainers that reported it."""
+
+    epoch: int
+    peers: int  # trainers that reported it
+    wall_s: float  # compute + communication: a trainer's time from its previous epoch to this one
+    compute_s: float
+    comm_s: float
+    comm_percent: float | None  # of wall_s; None for an epoch of no measurable length
+
+
+def _percent(part: float, whole: float) -> float | None:
+    return 100 * part / whole if whole > 0 else None
+
+
+def round_rows(store: RunStore, recent: int = ROUNDS_SHOWN) -> list[RoundRow]:
+    """The newest ``recent`` epochs the trainers reported, newest first: how long each took and how
+    that time split into compute and communication."""
+    return [RoundRow(m.epoch, m.peers, m.wall_s, m.compute_s, m.comm_s, _percent(m.comm_s, m.wall_s))
+            for m in store.round_means(recent)]
+
+
+@dataclass
+class RoundTotalsRow:
+    """Every epoch's means, summed: the run's time in rounds and its split."""
+
+    rounds: int
+    wall_s: float
+    compute_s: float
+    comm_s: float
+    comm_percent: float | None
+
+
+def round_totals(store: RunStore) -> RoundTotalsRow:
+    t = store.round_totals()
+    return RoundTotalsRow(t.rounds, t.wall_s, t.compute_s, t.comm_s, _percent(t.comm_s, t.wall_s))
 
 
 # ---- experts -----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A run on disk: ``runs/<cluster_name>/`` holds the resolved config, ``run.sqlite`` (instances,
-events, per-epoch progress, checkpoints) and ``checkpoints/``.  Everything needed to report on a
-run, or resume it after losing every machine, is here."""
+events, per-epoch progress, checkpoints, each trainer's cost totals and its per-round time split,
+the experts' samples) and ``checkpoints/``.  Everything needed to report on a run, or resume it
+after losing every machine, is here."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ CREATE TABLE IF NOT EXISTS instances (
     price_per_hour REAL NOT NULL, on_demand_price_per_hour REAL NOT NULL,
     launched_at REAL NOT NULL, notice_at REAL, ended_at REAL, end_reason TEXT, peer_id TEXT
 );
+-- an instance's region: a table of its own, so that the instances table keeps the columns older run
+-- directories have and that rows are inserted by
+CREATE TABLE IF NOT EXISTS instance_regions (instance_id TEXT PRIMARY KEY, region TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     time REAL NOT NULL, kind TEXT NOT NULL, instance_id TEXT, detail TEXT
 );
@@ -41,6 +45,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (time REAL NOT NULL, epoch INTEGER NOT NU
 CREATE TABLE IF NOT EXISTS peer_costs (
     instance_id TEXT PRIMARY KEY, time REAL NOT NULL, samples INTEGER NOT NULL, bytes_sent INTEGER NOT NULL,
     comm_s REAL NOT NULL, busy_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    epoch INTEGER NOT NULL, instance_id TEXT NOT NULL, time REAL NOT NULL, compute_s REAL NOT NULL,
+    comm_s REAL NOT NULL, PRIMARY KEY (epoch, instance_id)
 );
 CREATE TABLE IF NOT EXISTS experts (
     time REAL NOT NULL, live INTEGER NOT NULL, grid INTEGER NOT NULL, min_replicas INTEGER NOT NULL,
@@ -77,6 +85,7 @@ class InstanceRecord:
     ended_at: float | None = None
     end_reason: str | None = None
     peer_id: str | None = None
+    region: str | None = None  # None: not recorded (a run from before regions)
 
     def seconds(self, now: float) -> float:
         """Billed seconds up to ``now`` (also for a moment in the past: cost curves ask for those)."""
@@ -88,6 +97,45 @@ class InstanceRecord:
 
     def on_demand_cost(self, now: float) -> float:
         return self.seconds(now) / 3600 * self.on_demand_price_per_hour
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One epoch of one trainer, as its status reported it."""
+
+    epoch: int
+    compute_s: float
+    comm_s: float
+
+
+@dataclass(frozen=True)
+class RoundMean:
+    """One epoch over the trainers that reported it: their mean compute and communication seconds."""
+
+    epoch: int
+    peers: int
+    compute_s: float
+    comm_s: float
+    time: float  # when the store first heard of it
+
+    @property
+    def wall_s(self) -> float:
+        """The epoch's length: a trainer's time from its previous epoch to this one is all compute or
+        communication."""
+        return self.compute_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class RoundTotals:
+    """The per-epoch means of every epoch reported, summed."""
+
+    rounds: int  # epochs that at least one trainer reported
+    compute_s: float
+    comm_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return self.compute_s + self.comm_s
 
 
 class RunStore:
@@ -263,7 +311,10 @@ class RunStore:
         self._write("INSERT INTO instances VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (rec.id, rec.node_type, rec.zone, rec.market, rec.price_per_hour,
                      rec.on_demand_price_per_hour, rec.launched_at, None, None, None, rec.peer_id))
-        self.event("launch", rec.id, {"zone": rec.zone, "node_type": rec.node_type, "market": rec.market,
+        if rec.region is not None:
+            self._write("INSERT OR REPLACE INTO instance_regions VALUES (?, ?)", (rec.id, rec.region))
+        where = {"zone": rec.zone} if rec.region is None else {"zone": rec.zone, "region": rec.region}
+        self.event("launch", rec.id, {**where, "node_type": rec.node_type, "market": rec.market,
                                       "price_per_hour": rec.price_per_hour}, at=rec.launched_at)
 
     def update_instance(self, instance_id: str, **fields: Any) -> None:
@@ -300,12 +351,37 @@ class RunStore:
         rows = self.db.execute("SELECT instance_id, samples, bytes_sent, comm_s, busy_s FROM peer_costs").fetchall()
         return {row[0]: tuple(row[1:]) for row in rows}
 
+    def rounds(self, instance_id: str, rounds: list[RoundRecord]) -> None:
+        """Epochs a trainer completed and how each one's time split into compute and communication.
+        A round already stored is kept as it is (the same round may arrive again, as after a resume):
+        ``time`` is when the store first heard of it."""
+        for r in rounds:
+            self._write("INSERT OR IGNORE INTO rounds VALUES (?, ?, ?, ?, ?)",
+                        (r.epoch, instance_id, self.clock(), r.compute_s, r.comm_s))
+
+    def round_means(self, recent: int) -> list[RoundMean]:
+        """The newest ``recent`` epochs that any trainer reported, newest first: per epoch, the mean
+        over the trainers that reported it (through the primary key's index, never a scan)."""
+        rows = self.db.execute(
+            "SELECT epoch, COUNT(*), AVG(compute_s), AVG(comm_s), MIN(time) FROM rounds WHERE epoch IN "
+            "(SELECT DISTINCT epoch FROM rounds ORDER BY epoch DESC LIMIT ?) GROUP BY epoch ORDER BY epoch DESC",
+            (recent,)).fetchall()
+        return [RoundMean(*row) for row in rows]
+
+    def round_totals(self) -> RoundTotals:
+        """Every epoch's mean (as ``round_means``) summed over the whole run (a scan of the table:
+        the report's, once, not the page's on every refresh)."""
+        row = self.db.execute("SELECT COUNT(*), TOTAL(c), TOTAL(m) FROM (SELECT AVG(compute_s) AS c, "
+                              "AVG(comm_s) AS m FROM rounds GROUP BY epoch)").fetchone()
+        return RoundTotals(int(row[0]), float(row[1]), float(row[2]))
+
     def checkpoint(self, epoch: int, path: Path) -> None:
         self._write("INSERT INTO checkpoints VALUES (?, ?, ?)", (self.clock(), epoch, str(path)))
 
     # ---- reading -------------------------------------------------------------------------------
     def instances(self) -> list[InstanceRecord]:
-        rows = self.db.execute("SELECT * FROM instances ORDER BY launched_at").fetchall()
+        rows = self.db.execute("SELECT instances.*, r.region FROM instances LEFT JOIN instance_regions AS r "
+                               "ON r.instance_id = instances.id ORDER BY instances.launched_at").fetchall()
         return [InstanceRecord(*row) for row in rows]
 
     def events(self, kind: str | None = None) -> list[tuple]:

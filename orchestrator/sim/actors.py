@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -24,6 +25,7 @@ import ray
 
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.providers.base import Instance, LaunchSpec, NodeProvider, PreemptionNotice
+from orchestrator.sim.relay import LinkSpec, RelayProcess, region_hosts, worker_networks
 
 if TYPE_CHECKING:
     from orchestrator.instance.warm_image import WarmImage
@@ -47,7 +49,8 @@ def launch_rng(seed: int, sequence: int) -> random.Random:
 
 class SimulatedMarket:
     """What both local modes share: per-zone prices, a provisioning delay, and each launch's
-    preemption schedule (drawn from the node type's lifetime model, or replayed from a trace)."""
+    preemption schedule (drawn from the node type's lifetime model, or replayed from a trace).
+    A node type's region is a label its instances carry; it changes nothing else."""
 
     def __init__(self, config: ClusterConfig, clock: Any) -> None:
         self.config = config
@@ -106,9 +109,11 @@ class SimulatedMarket:
 
 
 class LocalSpotProvider(SimulatedMarket, NodeProvider):
-    """``mode: actors``: each instance is one Ray actor on this node, which is also its worker."""
+    """``mode: actors``: each instance is one Ray actor on this node, which is also its worker.  With
+    ``provider.links``, each region's workers get an address of their own and the run's relay
+    carries what crosses regions (``relay.py``); ``run_dir`` holds its log."""
 
-    def __init__(self, config: ClusterConfig, clock: Any) -> None:
+    def __init__(self, config: ClusterConfig, clock: Any, run_dir: Path | None = None) -> None:
         super().__init__(config, clock)
         self.instances: dict[str, Instance] = {}
         self.processes: dict[str, psutil.Process] = {}  # bound to the pid and its start time: never a reused pid
@@ -123,6 +128,33 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
             self.image = WarmImage()
         self.worker_args: Callable[[str], dict[str, Any]] = lambda instance_id: {}
         self.certify: Callable[[str, str], str | None] | None = None
+        self.relay: RelayProcess | None = None
+        self.networks: dict[str, dict[str, str]] = {}  # node type -> its workers' host, announce_host, route
+        if config.provider.links is not None:
+            self._start_links(run_dir)
+
+    def _start_links(self, run_dir: Path | None) -> None:
+        """The relay between the node types' regions, and where each node type's workers listen."""
+        from orchestrator.config.checks import link_regions
+        from orchestrator.runs.logs import log_path
+
+        links = self.config.provider.links
+        assert links is not None
+        node_regions = link_regions(self.config)
+        hosts = region_hosts(list(node_regions.values()))
+        if len(hosts) < 2:
+            logger.info("provider.links: every node type is in region %s, nothing to emulate", *hosts)
+            return
+        self.relay = RelayProcess(hosts, LinkSpec(links.mbit, links.rtt_ms),
+                                  log_file=log_path(run_dir, "relay") if run_dir is not None else None)
+        try:
+            address = self.relay.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.networks = worker_networks(hosts, node_regions, address)
+        logger.info("regions %s linked at %g Mbit/s, %g ms through the relay at %s:%d",
+                    ", ".join(f"{r} ({h})" for r, h in hosts.items()), links.mbit, links.rtt_ms, *address)
 
     def host_workers(self, worker_args: Callable[[str], dict[str, Any]],
                      certify: Callable[[str, str], str | None] | None) -> None:
@@ -138,7 +170,7 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
                              image=self.image.path if self.image is not None else None)
         # returns at once (billing starts now, as on a cloud); the worker boots in the background, once
         # its certificate (issued for the peer id the actor made) is there when membership is on
-        args = self.worker_args(spec.instance_id)
+        args = {**self.worker_args(spec.instance_id), **self.networks.get(spec.node_type, {})}
         if self.certify is None:
             self.starting[spec.instance_id] = actor.start.remote(args)
         else:
@@ -146,7 +178,7 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         now = self.clock()
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
                         self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags),
-                        handle=actor)
+                        handle=actor, region=self.config.region_of(spec.node_type))
         self.instances[spec.instance_id] = inst
         self.schedule(spec, now)
         return inst
@@ -240,6 +272,9 @@ class LocalSpotProvider(SimulatedMarket, NodeProvider):
         if self.image is not None:
             self.image.close()
             self.image = None
+        if self.relay is not None:
+            self.relay.stop()  # it logs the bytes each pair of regions carried
+            self.relay = None
 
     def list(self, tag_filters: dict[str, str]) -> list[Instance]:
         """This simulator's machines die with it, so only its own are ever alive."""

@@ -121,7 +121,8 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
                                namespace, log_path=temp / "boot.log")
         now = self.clock()
         inst = Instance(spec.instance_id, spec.node_type, spec.zone, spec.market,
-                        self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags), handle=leader)
+                        self.price(spec.node_type, spec.zone, spec.market), now, tags=dict(spec.tags), handle=leader,
+                        region=self.config.region_of(spec.node_type))
         self.schedule(spec, now)
         self.instances[inst.id] = inst
         try:
@@ -171,7 +172,8 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
 
     def _save(self, inst: Instance, namespace: str | None) -> None:
         sched = self.schedules.get(inst.id)
-        record = {"id": inst.id, "node_type": inst.node_type, "zone": inst.zone, "market": inst.market,
+        record = {"id": inst.id, "node_type": inst.node_type, "zone": inst.zone, "region": inst.region,
+                  "market": inst.market,
                   "price_per_hour": inst.price_per_hour, "launched_at": inst.launched_at, "tags": inst.tags,
                   "leader": inst.handle, "namespace": namespace, "schedule": asdict(sched) if sched else None}
         tmp = self._record_path(inst.id).with_suffix(".tmp")
@@ -218,7 +220,7 @@ class LocalNodeProvider(SimulatedMarket, NodeProvider):
             if inst is None:
                 inst = Instance(record["id"], record["node_type"], record["zone"], record["market"],
                                 record["price_per_hour"], record["launched_at"], tags=record["tags"],
-                                handle=record["leader"])
+                                handle=record["leader"], region=record.get("region", ""))
                 self.instances[inst.id] = inst
                 if record.get("namespace"):
                     with self._lock:

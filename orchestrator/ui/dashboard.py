@@ -363,6 +363,21 @@ async def api_costs(request: web.Request) -> web.Response:
     return web.json_response([asdict(g) for g in figures.cost_breakdown(store.instances(), now)])
 
 
+MAX_ROUNDS = 1000  # the most epochs one ``/api/rounds`` answer lists
+
+
+async def api_rounds(request: web.Request) -> web.Response:
+    """The newest epochs' time split (``?recent=N``, default ``figures.ROUNDS_SHOWN``), newest first."""
+    store, _, _ = _state(request)
+    try:
+        recent = int(request.query.get("recent", figures.ROUNDS_SHOWN))
+    except ValueError:
+        recent = 0
+    if not 1 <= recent <= MAX_ROUNDS:
+        return web.json_response({"error": f"recent: a whole number from 1 to {MAX_ROUNDS}"}, status=400)
+    return web.json_response([asdict(r) for r in figures.round_rows(store, recent)])
+
+
 async def api_experts(request: web.Request) -> web.Response:
     store, _, _ = _state(request)
     return web.json_response([asdict(e) for e in figures.expert_rows(store)])
@@ -406,7 +421,7 @@ def make_app(run_dir: Path, clock: Callable[[], float] | None = None, live: bool
                     web.get("/static/plotly.min.js", plotly_asset), web.get("/static/{name}", static_asset),
                     web.get("/api/summary", api_summary),
                     web.get("/api/series", api_series), web.get("/api/charts", api_charts),
-                    web.get("/api/instances", api_instances),
+                    web.get("/api/instances", api_instances), web.get("/api/rounds", api_rounds),
                     web.get("/api/costs", api_costs), web.get("/api/experts", api_experts),
                     web.get("/api/chaos", api_chaos), web.get("/metrics", prometheus)])
     return app

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from orchestrator.runs.figures import cost_breakdown, headline
+from orchestrator.runs.figures import cost_breakdown, headline, round_rows
 from orchestrator.runs.store import RunStore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -56,6 +56,17 @@ class RunCollector(Collector):
                          h.experts_min_replicas)
         yield from gauge("spotswarm_kmin_fraction", "forward passes whose every row got k_min answers (MoE runs)",
                          h.kmin_fraction)
+        last_round = round_rows(self.store, recent=1)
+        if last_round:
+            r = last_round[0]
+            yield from gauge("spotswarm_round_epoch", "the newest epoch a trainer reported its time split of",
+                             r.epoch)
+            yield from gauge("spotswarm_round_compute_seconds",
+                             "that epoch's seconds of compute, the mean over the trainers that reported it",
+                             r.compute_s)
+            yield from gauge("spotswarm_round_comm_seconds",
+                             "that epoch's seconds averaging or downloading state, the mean over the same trainers",
+                             r.comm_s)
 
         labels = [*run, "node_type", "zone", "market"]
         live_instances = GaugeMetricFamily("spotswarm_live_instances", "instances up now", labels=labels)

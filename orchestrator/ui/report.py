@@ -52,6 +52,27 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+ROUND_HEADER = ["epoch", "peers", "wall (s)", "compute (s)", "communication (s)", "communication (%)"]
+
+
+def _split(wall_s: float, compute_s: float, comm_s: float, comm_percent: float | None) -> list[str]:
+    """A round's seconds as the page shows them: hundredths of a second, tenths of a percent."""
+    percent = "-" if comm_percent is None else f"{comm_percent:.1f}"
+    return [f"{wall_s:.2f}", f"{compute_s:.2f}", f"{comm_s:.2f}", percent]
+
+
+def rounds_section(rounds: list[figures.RoundRow], totals: figures.RoundTotalsRow) -> str:
+    """The newest rounds, newest first, then every round's means summed (what the run spent in rounds)."""
+    if not totals.rounds:
+        return "<h2>Rounds</h2><p>No trainer reported a round.</p>"
+    rows = [[str(r.epoch), str(r.peers), *_split(r.wall_s, r.compute_s, r.comm_s, r.comm_percent)] for r in rounds]
+    rows.append([f"all {totals.rounds} rounds", "",
+                 *_split(totals.wall_s, totals.compute_s, totals.comm_s, totals.comm_percent)])
+    shown = f"the newest {len(rounds)} of {totals.rounds}" if len(rounds) < totals.rounds else f"all {len(rounds)}"
+    return (f"<h2>Rounds</h2><p>Each epoch's time, the mean over the trainers that reported it ({shown}), "
+            "and the sum over every round.</p>" + _table(ROUND_HEADER, rows))
+
+
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#1d2430}
 table{border-collapse:collapse;margin:1em 0}td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}
@@ -71,6 +92,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         charts = figures.charts(store, now)
         instances = figures.instance_rows(store, now)
         costs = figures.cost_breakdown(store.instances(), now)
+        rounds, round_totals = figures.round_rows(store), figures.round_totals(store)
     finally:
         store.close()
     plots, points = {}, {}
@@ -83,6 +105,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         f"<p>{'live at' if live else 'finished;'} {h.elapsed_s / 60:.1f} minutes of run time.</p>"
         + _table(["figure", "value"], [list(r) for r in figures.headline_rows(h)])
         + f'<h2>Over time</h2><div class="plots">{images}</div>'
+        + rounds_section(rounds, round_totals)
         + "<h2>Cost by node type and zone</h2>"
         + _table(["node type", "zone", "market", "instances", "instance-hours", "dollars", "on demand"],
                  [[g.node_type, g.zone, g.market, str(g.instances), f"{g.instance_hours:.3f}", f"${g.dollars:.4f}",
@@ -90,7 +113,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         + "<h2>Instances</h2>"
         + _table(["instance", "node type", "zone", "market", "$/hour", "launched (min)", "lifetime (min)", "cost",
                   "bytes sent / sample", "averaging (% of time)", "how it ended"],
-                 [[i.id, i.node_type, i.zone, i.market, f"{i.price_per_hour:.3f}", f"{i.launched_s / 60:.1f}",
+                 [[i.id, i.node_type, i.place, i.market, f"{i.price_per_hour:.3f}", f"{i.launched_s / 60:.1f}",
                    f"{i.lifetime_s / 60:.1f}", f"${i.dollars:.4f}",
                    "-" if i.bytes_per_sample is None else f"{i.bytes_per_sample:.0f}",
                    "-" if i.comm_fraction is None else f"{100 * i.comm_fraction:.0f}", i.ended] for i in instances]))

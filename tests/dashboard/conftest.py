@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.runs.store import InstanceRecord, RunStore
+from orchestrator.runs.store import InstanceRecord, RoundRecord, RunStore
 
 T0 = 1_000_000.0
 CONFIG = {
@@ -40,6 +40,10 @@ HISTORY = [
 DOLLARS = 0.3 + 0.6 + 0.6 + 1700 / 3600 * 0.3 + 3500 / 3600 * 4.0 + 500 / 3600 * 0.3 + 0.1
 ON_DEMAND_DOLLARS = 1.0 + 1.5 + 2.0 + 1700 / 3600 + 3500 / 3600 * 4.0 + 500 / 3600 + 0.25
 SAMPLES = 6400  # at the newest epoch
+# the trainers' rounds: instance -> (epoch, compute s, comm s)
+ROUNDS = {"i1": [(18, 4.0, 1.0), (19, 3.0, 1.0), (20, 6.0, 2.0)], "i5": [(19, 5.0, 3.0), (20, 2.0, 0.0)]}
+# per epoch, newest first: (epoch, peers, wall s, compute s, comm s, comm %) — the means over who reported it
+ROUND_MEANS = [(20, 2, 5.0, 4.0, 1.0, 20.0), (19, 2, 6.0, 4.0, 2.0, 100 * 2 / 6), (18, 1, 5.0, 4.0, 1.0, 20.0)]
 
 
 def _at(store: RunStore, t: float) -> None:
@@ -67,6 +71,8 @@ def fill_run(base: Path) -> Path:
             _at(store, t)
             store.progress(epoch, loss, sps, 2, epoch * 320)
         store.peer_costs("i1", 6400, 640_000, 30.0, 120.0)  # a trainer's totals: 100 B/sample, 25% averaging
+        for iid, rounds in ROUNDS.items():
+            store.rounds(iid, [RoundRecord(*r) for r in rounds])
         # the resume: a new supervisor closes what the dead one left open, then carries on
         store.close_lost_instances(store.last_time())
         store.event("supervisor_start", at=T0 + 7000)
@@ -89,6 +95,7 @@ class HandRun:
     dollars: float = DOLLARS
     on_demand_dollars: float = ON_DEMAND_DOLLARS
     samples: int = SAMPLES
+    round_means: tuple = tuple(ROUND_MEANS)
 
 
 @pytest.fixture

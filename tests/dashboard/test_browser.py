@@ -94,6 +94,11 @@ def card(page, label: str) -> str:
         .find(c => c.children[0].textContent === label).children[1].textContent""", label)
 
 
+def round_cells(page) -> list[list[str]]:
+    return page.eval_on_selector_all("#rounds tbody tr",
+                                     "rows => rows.map(r => Array.from(r.cells).map(c => c.textContent))")
+
+
 def refreshes(page) -> int:
     return int(page.evaluate("() => document.body.dataset.refreshes || 0"))
 
@@ -110,6 +115,13 @@ def test_live_page_in_chromium(live_run, open_page, save_screenshot, wait_for):
         ids = lambda: sorted(r[0] for r in store_rows(core.store.dir, "SELECT id FROM instances"))  # noqa: E731
         wait_for(lambda: sorted(table_ids(page)) == ids(), 30, "the table to list every instance")
         assert "preempted" in page.text_content("#instances")
+        # the trainers' rounds reach the page through their status answers and the store
+        wait_for(lambda: page.is_visible("#rounds-section") and round_cells(page), 30, "the rounds table")
+        shown = round_cells(page)  # one reading: the page redraws the table on every refresh
+        for _, peers, wall, compute, comm, _ in shown:
+            assert int(peers) >= 1 and float(wall) == pytest.approx(float(compute) + float(comm), abs=0.011)
+        epochs = [int(r[0]) for r in shown]
+        assert epochs == sorted(epochs, reverse=True)  # newest first
         shot = save_screenshot(page, "dashboard-live.png")
         assert shot.stat().st_size > 20_000
     finally:
@@ -137,6 +149,10 @@ def test_finished_run_page_in_chromium(live_run, open_page, save_screenshot):
                                                    "rows => rows.map(r => r.cells[8].textContent)")
             assert all(c == "-" or c.isdigit() for c in per_sample), per_sample  # bytes sent per sample, if reported
             assert "preempted" in ended and "running" not in ended  # every instance released at the stop
+            rounds = page.evaluate("() => fetch('api/rounds').then(r => r.json())")
+            assert rounds and round_cells(page) == [
+                [str(r["epoch"]), str(r["peers"]), f"{r['wall_s']:.2f}", f"{r['compute_s']:.2f}", f"{r['comm_s']:.2f}",
+                 "-" if r["comm_percent"] is None else f"{r['comm_percent']:.1f}"] for r in rounds]
             assert page.evaluate("() => document.body.dataset.polling") == "off"  # nothing left to refresh
             save_screenshot(page, "dashboard-finished.png")
         finally:

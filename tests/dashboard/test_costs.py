@@ -162,3 +162,32 @@ def test_a_long_runs_charts_are_thinned_evenly_in_time_and_its_headline_reads_th
     assert throughput.y == throughput.t  # each point is a row as written (samples/s = its second here)
     assert (h.epoch, h.samples_per_second, h.samples) == (rows - 1, float(rows - 1), 64 * (rows - 1))
     assert h.loss == pytest.approx(1.0 / rows)
+
+
+def test_an_instances_region_is_recorded_and_a_run_from_before_regions_reads_as_it_was(tmp_path):
+    """The region has a table of its own: a run directory whose store has none (from before regions)
+    opens with its instances as they were, region unknown; the instance table shows a region beside a
+    zone whose name does not say it."""
+    import sqlite3
+
+    from orchestrator.config.schema import ClusterConfig
+
+    config = ClusterConfig.model_validate({"cluster_name": "old", "runs_dir": str(tmp_path),
+                                           "available_node_types": {"small": {"max_workers": 1}}})
+    RunStore.create(config).close()
+    db = sqlite3.connect(config.run_dir() / "run.sqlite")
+    with db:  # the store as a run from before regions left it: its row inserted by position
+        db.execute("DROP TABLE instance_regions")
+        db.execute("INSERT INTO instances VALUES ('i0', 'small', 'a', 'spot', 0.3, 1.0, ?, NULL, NULL, NULL, NULL)",
+                   (T0,))
+    db.close()
+    store = RunStore.open(config.run_dir())
+    try:
+        assert [(r.id, r.zone, r.region) for r in store.instances()] == [("i0", "a", None)]
+        store.launched(InstanceRecord("i1", "small", "w-1", "spot", 0.3, 1.0, T0 + 1, region="west"))
+        store.launched(InstanceRecord("i2", "small", "us-east-1a", "spot", 0.3, 1.0, T0 + 2, region="us-east-1"))
+        rows = figures.instance_rows(store, T0 + 10)
+    finally:
+        store.close()
+    assert [(r.id, r.region, r.place) for r in rows] == [("i0", None, "a"), ("i1", "west", "w-1 (west)"),
+                                                         ("i2", "us-east-1", "us-east-1a")]

@@ -32,6 +32,16 @@ def test_report_has_every_plot_drawn_and_every_instance_listed(hand_run, tmp_pat
     assert f"${hand_run.dollars:.4f}" in html and "lost" in html and "preempted" in html
 
 
+def test_report_lists_the_rounds_newest_first_and_their_totals(hand_run, tmp_path):
+    html = write_report(hand_run.dir, tmp_path / "out").index.read_text()
+    rows = "".join(f"<tr><td>{e}</td><td>{n}</td><td>{wall:.2f}</td><td>{compute:.2f}</td><td>{comm:.2f}</td>"
+                   f"<td>{pct:.1f}</td></tr>" for e, n, wall, compute, comm, pct in hand_run.round_means)
+    # the sum of every epoch's means: 16 s, 12 of them compute and 4 communication
+    totals = "<tr><td>all 3 rounds</td><td></td><td>16.00</td><td>12.00</td><td>4.00</td><td>25.0</td></tr>"
+    assert "<h2>Rounds</h2>" in html and rows + totals in html
+    assert "<td>33.3</td>" in rows  # epoch 19: 2 s of its 6 communicating
+
+
 def test_report_command_writes_into_the_run_directory(hand_run, capsys):
     assert main(["report", str(hand_run.dir)]) == 0
     assert (hand_run.dir / "report" / "index.html").exists()

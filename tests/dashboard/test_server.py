@@ -70,6 +70,10 @@ def test_metrics_carry_the_dashboard_figures(hand_run):
         hand_run.on_demand_dollars)
     assert sum(s.value for s in m["spotswarm_instance_seconds_total"]) == pytest.approx(5800 + 6300 + 1800 + 3500)
     assert all(s.value == 0 for s in m["spotswarm_live_instances"])  # finished: nothing is up
+    epoch, _, _, compute, comm, _ = hand_run.round_means[0]  # the last round, over the trainers that reported it
+    assert value("spotswarm_round_epoch") == epoch
+    assert value("spotswarm_round_compute_seconds") == pytest.approx(compute)
+    assert value("spotswarm_round_comm_seconds") == pytest.approx(comm)
     # the page's numbers are the same numbers
     assert summary["dollars"] == pytest.approx(hand_run.dollars)
     assert summary["preemptions"] == 1 and summary["replacements"] == 2 and summary["live"] is False
@@ -102,6 +106,32 @@ def test_json_api_page_and_offline_plotly(hand_run):
     assert b'src="static/common.js"' in page  # the script the dashboard and the chaos page share
     assert common_type.startswith("application/javascript") and b"function renderCharts(" in common
     assert b'href="static/common.css"' in page and css_type.startswith("text/css") and b".card" in css
+
+
+def test_rounds_api_lists_each_epochs_mean_over_the_trainers_newest_first(hand_run):
+    with DashboardServer(hand_run.dir) as server:
+        rounds = json.loads(get(server.url + "api/rounds")[1])
+        newest = json.loads(get(server.url + "api/rounds?recent=1")[1])
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            get(server.url + "api/rounds?recent=0")
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            get(server.url + "api/rounds?recent=many")
+    assert [(r["epoch"], r["peers"], r["wall_s"], r["compute_s"], r["comm_s"]) for r in rounds] == \
+        [m[:5] for m in hand_run.round_means]
+    assert [r["comm_percent"] for r in rounds] == pytest.approx([m[5] for m in hand_run.round_means])
+    assert newest == rounds[:1]
+
+
+def test_metrics_leave_the_round_gauges_out_before_any_round(tmp_path):
+    from orchestrator.config.schema import ClusterConfig
+
+    config = ClusterConfig.model_validate({"cluster_name": "norounds", "runs_dir": str(tmp_path / "runs"),
+                                           "available_node_types": {"a": {"max_workers": 1}}})
+    RunStore.create(config).close()
+    with DashboardServer(config.run_dir()) as server:
+        m = samples(get(server.url + "metrics")[1].decode())
+        rounds = json.loads(get(server.url + "api/rounds")[1])
+    assert rounds == [] and not any(name.startswith("spotswarm_round_") for name in m)
 
 
 def test_a_live_run_reads_the_clock_it_is_given(hand_run):

@@ -212,6 +212,33 @@ def test_the_same_zones_both_ways_are_fine_and_local_refuses_availability_zone(t
                                 "the local simulator's zones are provider.zones"]
 
 
+WEST = f"""\
+  west:
+    region: us-west-2
+    node_config:
+      InstanceType: m5.large
+      ImageId: {AMI}
+"""
+
+
+def test_a_node_type_in_another_region_may_leave_its_zones_to_the_provider(tmp_path):
+    config = load(write(tmp_path, AWS + WEST))[0]
+    assert (config.region_of("west"), config.zones_of("west"), config.uses_provider_zones("west")) == (
+        "us-west-2", [], False)
+    assert (config.region_of("w"), config.uses_provider_zones("w")) == ("us-east-1", True)
+    assert config.regions() == ["us-east-1", "us-west-2"]
+    given = load(write(tmp_path, AWS + WEST + "    zones: [us-west-2b, us-west-2-lax-1a]\n"))[0]
+    assert given.zones_of("west") == ["us-west-2b", "us-west-2-lax-1a"]  # a Local Zone is its region's too
+
+
+def test_a_node_types_zones_must_be_in_its_region(tmp_path):
+    text = AWS + WEST + "    zones: [us-west-2a, us-east-1b]\n"
+    path = write(tmp_path, text)
+    assert errors_of(path) == [
+        f"{path}:{line_of(text, 'zones:')}: available_node_types.west.zones.1: zone 'us-east-1b' of node type 'west' "
+        "is not in its region 'us-west-2' (an EC2 zone's name starts with its region's, e.g. us-west-2a)"]
+
+
 # ---- node_config against EC2 RunInstances ----------------------------------------------------
 def test_an_unknown_node_config_key_names_its_line_and_the_parameter_meant(tmp_path):
     path = with_node_config(tmp_path, "      InstanceTyp: m5.xlarge\n      Foo: 1\n")

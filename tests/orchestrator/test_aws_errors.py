@@ -167,3 +167,89 @@ def test_a_just_launched_instance_missing_from_the_list_is_not_gone(tmp_path, aw
     provider.instances["errs-w-0009"].launched_at = time.time() - provider.orphan_grace_s - 1
     assert provider.poll_terminated(time.time()) == ["errs-w-0009"]
     provider.shutdown()
+
+
+# ---- node types in two regions ----------------------------------------------------------------------
+def two_regions(tmp_path: Path, endpoint: str) -> ClusterConfig:
+    """w in the provider's region and zones; far in us-west-2 with no zones listed (the provider finds them)."""
+    node_config = {"InstanceType": "m5.large", "ImageId": "ami-12c6146b"}
+    return ClusterConfig.model_validate({
+        "cluster_name": "errs", "runs_dir": str(tmp_path / "runs"),
+        "provider": {"type": "aws", "region": "us-east-1", "zones": ZONES, "endpoint_url": endpoint},
+        "available_node_types": {
+            "w": {"node_config": node_config, "min_workers": 1, "max_workers": 1, "on_demand_price_per_hour": 0.096},
+            "far": {"node_config": node_config, "region": "us-west-2", "min_workers": 1, "max_workers": 1,
+                    "on_demand_price_per_hour": 0.096}},
+        "dashboard": {"enabled": False},
+    })
+
+
+def run_states(endpoint: str, region: str) -> dict[str, tuple[str, str]]:
+    """The run's instances as EC2 in ``region`` lists them: EC2 id -> (node type tag, state)."""
+    import boto3
+
+    ec2 = boto3.client("ec2", region_name=region, endpoint_url=endpoint)
+    try:
+        found = [i for r in ec2.describe_instances(Filters=[{"Name": "tag:spotswarm-run", "Values": ["errs"]}])[
+            "Reservations"] for i in r["Instances"]]
+    finally:
+        ec2.close()
+    return {d["InstanceId"]: ({t["Key"]: t["Value"] for t in d["Tags"]}["spotswarm-node-type"], d["State"]["Name"])
+            for d in found}
+
+
+def test_node_types_in_two_regions_launch_price_list_and_terminate_each_in_its_own(tmp_path, aws):
+    config = two_regions(tmp_path, aws)
+    with fleet_policy(config, AwsProvider, live=2) as policy:
+        provider = policy.provider
+        far_zones = provider.zones_for("far")
+        assert far_zones and all(z.startswith("us-west-2") for z in far_zones)  # us-west-2's, found there
+        assert provider.zones_for("w") == ZONES
+        assert all(provider.price("far", z, "spot") == pytest.approx(1e-05) for z in far_zones)  # us-west-2's history
+        placed = {i.node_type: (i.region, i.zone, i.market) for i in policy.live.values()}
+        assert placed["w"][0] == "us-east-1" and placed["w"][1] in ZONES
+        assert placed["far"][0] == "us-west-2" and placed["far"][1] in far_zones
+        assert {r.node_type: r.region for r in policy.store.instances()} == {"w": "us-east-1", "far": "us-west-2"}
+        assert [v for v in run_states(aws, "us-east-1").values()] == [("w", "running")]
+        assert [v for v in run_states(aws, "us-west-2").values()] == [("far", "running")]
+        restarted = AwsProvider(config, time.time)  # a new supervisor finds both
+        try:
+            assert {i.id: i.region for i in restarted.list({"spotswarm-run": "errs"})} == {
+                i.id: i.region for i in policy.live.values()}
+        finally:
+            restarted.shutdown()
+    assert [v for v in run_states(aws, "us-east-1").values()] == [("w", "terminated")]
+    assert [v for v in run_states(aws, "us-west-2").values()] == [("far", "terminated")]
+
+
+def test_reconciliation_and_down_reach_every_region(tmp_path, aws):
+    """A spot reclaim in the other region is seen as one; ``down`` terminates the run in both regions."""
+    from moto.backends import get_backend
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models.instances import StateReason
+
+    from orchestrator.providers.aws import terminate_run
+
+    config = two_regions(tmp_path, aws)
+    provider = AwsProvider(config, time.time)
+    tags = {"spotswarm-run": "errs"}
+    near = provider.launch(LaunchSpec("errs-w-0000", "w", "us-east-1a", "spot",
+                                      {**tags, "spotswarm-node-type": "w", "spotswarm-instance": "errs-w-0000"},
+                                      node_config={"ImageId": "ami-1"}))
+    far = provider.launch(LaunchSpec("errs-far-0001", "far", provider.zones_for("far")[0], "spot",
+                                     {**tags, "spotswarm-node-type": "far", "spotswarm-instance": "errs-far-0001"},
+                                     node_config={"ImageId": "ami-1"}))
+    assert (near.region, far.region) == ("us-east-1", "us-west-2")
+    backend = get_backend("ec2")[DEFAULT_ACCOUNT_ID]["us-west-2"]
+    backend.terminate_instances([far.handle])
+    backend.get_instance(far.handle).state_reason = StateReason("Server.SpotInstanceTermination: reclaimed",
+                                                                "Server.SpotInstanceTermination")
+    assert provider.poll_terminated(time.time()) == ["errs-far-0001"]
+    assert provider.was_preempted("errs-far-0001")
+    again = provider.launch(LaunchSpec("errs-far-0002", "far", provider.zones_for("far")[0], "spot",
+                                       {**tags, "spotswarm-node-type": "far", "spotswarm-instance": "errs-far-0002"},
+                                       node_config={"ImageId": "ami-1"}))
+    provider.shutdown()
+    assert sorted(terminate_run(config)) == sorted([near.handle, again.handle])
+    assert sorted(run_states(aws, "us-east-1").values()) == [("w", "terminated")]
+    assert sorted(run_states(aws, "us-west-2").values()) == [("far", "terminated"), ("far", "terminated")]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig, ConfigError
-from tests.orchestrator.run_checks import errors_of, write
+from tests.orchestrator.run_checks import errors_of, line_of, write
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -276,6 +276,57 @@ def test_a_bad_bandwidth_names_the_node_type_and_the_field(tmp_path, value):
     path = write(tmp_path, GOOD.replace("    max_workers: 2\n", f"    max_workers: 2\n    bandwidth: {value}\n"))
     errors = errors_of(path)
     assert any("available_node_types.small.bandwidth" in e for e in errors), errors
+
+
+# ---- regions: a node type's region and zones ---------------------------------------------------------
+REGIONS = """\
+cluster_name: t
+provider:
+  type: local
+  region: east
+  zones: [east-a, east-b]
+available_node_types:
+  near:
+    max_workers: 1
+  far:
+    region: west
+    zones: [west-a, west-b]
+    spot_price_per_hour: {west-a: 0.1}
+"""
+
+
+def test_a_node_type_in_another_region_launches_in_its_own_zones_and_the_others_in_the_providers(tmp_path):
+    config = load_cluster_config(write(tmp_path, REGIONS), [])
+    assert [(config.region_of(n), config.zones_of(n), config.uses_provider_zones(n)) for n in ("near", "far")] == [
+        ("east", ["east-a", "east-b"], True), ("west", ["west-a", "west-b"], False)]
+    assert config.regions() == ["east", "west"]
+    assert ClusterConfig.model_validate(config.model_dump(mode="json")) == config  # as the run store reads it back
+
+
+@pytest.mark.parametrize(("old", "new", "key", "message"), [
+    ("    zones: [west-a, west-b]\n    spot_price_per_hour: {west-a: 0.1}\n", "", "far:",
+     "available_node_types.far.zones: node type 'far' is in region 'west', not provider.region 'east': list its "
+     "zones there (e.g. zones: [west-a])"),
+    ("zones: [west-a, west-b]", "zones: []", "zones: []",
+     "available_node_types.far.zones: names no zone: list at least one, or leave zones out for the provider's"),
+    ("zones: [west-a, west-b]", "zones: [west-a, west-a]", "zones: [west-a, west-a]",
+     "available_node_types.far.zones: listed more than once: 'west-a'"),
+    ("{west-a: 0.1}", "{west-c: 0.1}", "spot_price_per_hour",
+     "available_node_types.far.spot_price_per_hour.west-c: zone 'west-c' is not among the zones of node type "
+     "'far' (west-a, west-b)"),
+])
+def test_a_node_types_region_and_zones_are_checked_at_their_key(tmp_path, old, new, key, message):
+    text = REGIONS.replace(old, new)
+    path = write(tmp_path, text)
+    assert errors_of(path) == [f"{path}:{line_of(text, key)}: {message}"]
+
+
+def test_a_node_type_naming_the_providers_region_keeps_the_providers_zones(tmp_path):
+    text = REGIONS.replace("    region: west\n    zones: [west-a, west-b]\n    spot_price_per_hour: {west-a: 0.1}\n",
+                           "    region: east\n")
+    config = load_cluster_config(write(tmp_path, text), [])
+    assert (config.zones_of("far"), config.uses_provider_zones("far"), config.regions()) == (
+        ["east-a", "east-b"], True, ["east"])
 
 
 def test_group_size_is_a_worker_flag():

@@ -208,6 +208,38 @@ def test_project_and_zones_are_needed(tmp_path):
                                     "provider.region 'us-central1'"]
 
 
+EAST = f"""\
+  e:
+    region: us-east1
+    node_config:
+      machineType: n2-standard-2
+      disks: [{{boot: true, autoDelete: true, initializeParams: {{sourceImage: {IMAGE}}}}}]
+"""
+
+
+def test_a_node_type_in_another_region_launches_in_its_zones_there(tmp_path):
+    config = load(write(tmp_path, GCP + EAST + "    zones: [us-east1-b, us-east1-c]\n"))[0]
+    assert (config.region_of("e"), config.zones_of("e")) == ("us-east1", ["us-east1-b", "us-east1-c"])
+    assert (config.region_of("w"), config.zones_of("w")) == ("us-central1", ["us-central1-a", "us-central1-b"])
+    assert config.regions() == ["us-central1", "us-east1"]
+
+
+@pytest.mark.parametrize(("zones", "key", "message"), [
+    ("", "  e:", "available_node_types.e.zones: node type 'e' is in region 'us-east1', not provider.region "
+                 "'us-central1': list its zones there (e.g. zones: [us-east1-b])"),
+    ("    zones: [us-east1-b, us-central1-a]\n", "zones:",
+     "available_node_types.e.zones.1: zone 'us-central1-a' of node type 'e' is not in its region 'us-east1' (GCE "
+     "zones are <region>-<letter>, e.g. us-east1-b)"),
+    ("    zones: [us-east1-bb]\n", "zones:",
+     "available_node_types.e.zones.0: zone 'us-east1-bb' of node type 'e' is not in its region 'us-east1' (GCE "
+     "zones are <region>-<letter>, e.g. us-east1-b)"),
+])
+def test_a_node_types_zones_must_be_in_its_region(tmp_path, zones, key, message):
+    text = GCP + EAST + zones
+    path = write(tmp_path, text)
+    assert errors_of(path) == [f"{path}:{line_of(text, key.strip())}: {message}"]
+
+
 def test_every_launched_node_type_needs_a_machine_type_and_an_image(tmp_path):
     text = GCP.replace("      machineType: n2-standard-2\n", "").replace(
         f"      disks: [{{boot: true, autoDelete: true, initializeParams: {{sourceImage: {IMAGE}}}}}]\n",

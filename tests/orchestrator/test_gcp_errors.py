@@ -206,3 +206,57 @@ def test_a_refused_call_is_an_auth_error_not_a_crash(tmp_path, gce_api):
     gce_api.refuse_auth = 401
     with pytest.raises(ProviderAuthError, match="credentials"):
         GcpProvider(gcp_config(tmp_path, gce_api.url), time.time)
+
+
+# ---- node types in two regions ----------------------------------------------------------------------
+EAST_ZONES = ["us-east1-b", "us-east1-c"]
+
+
+def two_regions(tmp_path: Path, endpoint: str, **budget: Any) -> ClusterConfig:
+    """w in the provider's region and zones; e in us-east1, whose us-east1-b is the cheapest zone of both."""
+    node_type = {"node_config": {"machineType": "n2-standard-2"}, "min_workers": 1, "max_workers": 1,
+                 "on_demand_price_per_hour": 0.097}
+    return ClusterConfig.model_validate({
+        "cluster_name": "errs", "runs_dir": str(tmp_path / "runs"),
+        "provider": {"type": "gcp", "project_id": "my-project", "region": "us-central1", "zones": ZONES,
+                     "endpoint_url": endpoint, "image": IMAGE},
+        "available_node_types": {
+            "w": {**node_type, "spot_price_per_hour": {"us-central1-a": 0.02, "us-central1-b": 0.03}},
+            "e": {**node_type, "region": "us-east1", "zones": EAST_ZONES,
+                  "spot_price_per_hour": {"us-east1-b": 0.01, "us-east1-c": 0.04}}},
+        "budget": budget, "dashboard": {"enabled": False},
+    })
+
+
+def test_node_types_in_two_regions_launch_list_and_delete_in_their_own_zones(tmp_path, gce_api):
+    config = two_regions(tmp_path, gce_api.url)
+    with fleet_policy(config, GcpProvider, live=2) as policy:
+        placed = {i.node_type: (i.region, i.zone) for i in policy.live.values()}
+        assert placed == {"w": ("us-central1", "us-central1-a"), "e": ("us-east1", "us-east1-b")}
+        inserted = {zone: body["machineType"] for (zone, _), body in gce_api.snapshot().items()}
+        assert inserted["us-east1-b"].endswith("/zones/us-east1-b/machineTypes/n2-standard-2")
+        assert set(inserted) == {"us-central1-a", "us-east1-b"}
+        restarted = GcpProvider(config, time.time)  # a new supervisor lists every node type's zones
+        try:
+            assert {i.id: (i.region, i.zone) for i in restarted.list({"spotswarm-run": "errs"})} == {
+                i.id: (i.region, i.zone) for i in policy.live.values()}
+            assert restarted.list_zones == ZONES + EAST_ZONES
+        finally:
+            restarted.shutdown()
+        far = next(i for i in policy.live.values() if i.node_type == "e")
+        gce_api.preempt_instance("us-east1-b", far.handle, delete=True)
+        assert policy.provider.poll_terminated(time.time()) == [far.id]
+        assert policy.provider.was_preempted(far.id)  # us-east1-b's preempted operation says so
+    assert gce_api.snapshot() == {}  # released in its own zone
+
+
+def test_an_exhausted_zone_moves_the_launch_to_the_other_region(tmp_path, gce_api):
+    """The budget has room for one: us-east1-b first (the cheapest); exhausted, e's next zone (0.04)
+    costs more than w's us-central1-a (0.02), so the instance is bought in the other region."""
+    gce_api.exhausted = {("us-east1-b", "spot")}
+    config = two_regions(tmp_path, gce_api.url, max_dollars_per_hour=0.025)
+    with fleet_policy(config, GcpProvider, live=1) as policy:
+        assert ("us-east1-b", "spot", "ZONE_RESOURCE_POOL_EXHAUSTED") in gce_api.refused
+        assert [(i.node_type, i.region, i.zone) for i in policy.live.values()] == [
+            ("w", "us-central1", "us-central1-a")]
+        assert [zone for zone, _ in gce_api.snapshot()] == ["us-central1-a"]

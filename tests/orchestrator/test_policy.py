@@ -8,6 +8,7 @@ decision is checked in milliseconds and without Ray.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from orchestrator.config.schema import ClusterConfig
 from orchestrator.config.tags import RUN_TAG
 from orchestrator.fleet.policy import FleetPolicy
 from orchestrator.host.wait import wait_for
-from orchestrator.providers.base import Instance
+from orchestrator.providers.base import CapacityError, Instance, LaunchSpec
 from orchestrator.runs.store import RunStore, summarize_costs
 from tests.fakes.clock import FakeClock
 from tests.fakes.provider import FakeProvider
@@ -611,6 +612,108 @@ def test_warm_spares_are_for_trainers(tmp_path: Path) -> None:
             "cluster_name": "c", "provider": {"type": "local"},
             "available_node_types": {"srv": {"role": "experts", "max_workers": 2, "warm_spares": 1}},
         })
+
+
+# ---- regions ---------------------------------------------------------------------------------------
+class RegionalCloud(FakeProvider):
+    """The in-memory cloud with zones out of capacity: a launch there is refused as a cloud refuses it."""
+
+    def __init__(self, clock: FakeClock, prices: dict[tuple[str, str, str], float],
+                 no_capacity: set[tuple[str, str]]) -> None:
+        super().__init__(clock, prices)
+        self.no_capacity = no_capacity  # (zone, market)
+        self.refused: list[tuple[str, str]] = []
+
+    def launch(self, spec: LaunchSpec) -> Instance:
+        if (spec.zone, spec.market) in self.no_capacity:
+            self.refused.append((spec.zone, spec.market))
+            raise CapacityError(f"no capacity in {spec.zone} ({spec.market})", spec.zone, spec.market)
+        return super().launch(spec)
+
+
+def two_regions(runs_dir: Path, budget: dict, spot: dict) -> ClusterConfig:
+    """east in the provider's region and zones, west in a region of its own, listed second: its w-a is
+    the cheapest zone of both."""
+    return ClusterConfig.model_validate({
+        "cluster_name": "c", "runs_dir": str(runs_dir),
+        "provider": {"type": "local", "region": "east", "zones": ["e-a", "e-b"]},
+        "available_node_types": {
+            "east": {"max_workers": 1, "spot_price_per_hour": {"e-a": 0.20, "e-b": 0.25}},
+            "west": {"max_workers": 1, "region": "west", "zones": ["w-a", "w-b"],
+                     "spot_price_per_hour": {"w-a": 0.15, "w-b": 0.30}}},
+        "spot": spot, "budget": budget, "dashboard": {"enabled": False},
+    })
+
+
+@pytest.fixture
+def regional_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+    """A policy over the two regions' fake cloud (refusing ``no_capacity``) and a real store; the
+    default budget has room for one spot instance."""
+    rigs: list[Rig] = []
+
+    def make(no_capacity: frozenset = frozenset(), budget: dict | None = None, spot: dict | None = None) -> Rig:
+        config = two_regions(tmp_path / f"runs{len(rigs)}", {"max_dollars_per_hour": 0.26} if budget is None
+                             else budget, spot or {})
+        clock = FakeClock(START)
+        RunStore.create(config).close()
+        store = RunStore(config.run_dir())
+        store.clock = clock
+        prices = {(name, zone, market): nt.price(zone, market) for name, nt in config.available_node_types.items()
+                  for zone in config.zones_of(name) for market in ("spot", "on-demand")}
+        rig = Rig(config, clock, RegionalCloud(clock, prices, set(no_capacity)), store, FakeWorkers())
+        rigs.append(rig)
+        rig.new_policy()
+        return rig
+
+    yield make
+    for rig in rigs:
+        for policy in rig.policies:
+            policy.shutdown()
+        rig.store.close()
+
+
+def where(rig: Rig) -> list[tuple[str, str | None, str, str]]:
+    """(node type, region, zone, market) of every instance the store has, in launch order."""
+    return [(r.node_type, r.region, r.zone, r.market) for r in rig.store.instances()]
+
+
+def test_the_cheapest_capacity_of_all_regions_is_bought_first(regional_rig: Callable[..., Rig]) -> None:
+    """The budget has room for one instance: it goes to west's w-a (0.15), the cheapest zone of both
+    regions, though east is listed first (0.20 at best)."""
+    rig = regional_rig()
+    settle(rig.policy)
+    assert where(rig) == [("west", "west", "w-a", "spot")]
+    assert [i.region for i in rig.policy.live.values()] == ["west"]
+    (_, _, _, detail), = rig.store.events("launch_requested")
+    assert json.loads(detail) == {"node_type": "west", "zone": "w-a", "market": "spot", "region": "west"}
+    assert json.loads(rig.store.events("launch")[0][3])["region"] == "west"
+
+
+def test_a_capacity_error_moves_the_launch_to_the_other_region(regional_rig: Callable[..., Rig]) -> None:
+    """w-a has no spot capacity: it rests, west's next zone (w-b, 0.30) now costs more than east's
+    e-a (0.20), so the one instance the budget allows is bought in the other region."""
+    rig = regional_rig(no_capacity=frozenset({("w-a", "spot")}))
+    settle(rig.policy)
+    assert rig.provider.refused == [("w-a", "spot")]
+    assert where(rig) == [("east", "east", "e-a", "spot")]
+    (_, _, _, detail), = rig.store.events("no_capacity")
+    assert {k: json.loads(detail)[k] for k in ("node_type", "region", "zone")} == {
+        "node_type": "west", "region": "west", "zone": "w-a"}
+    rig.clock.advance(FleetPolicy.no_capacity_s + 1)  # w-a may be tried again: the budget still has no room
+    settle(rig.policy)
+    assert rig.provider.refused == [("w-a", "spot")] and len(rig.store.instances()) == 1
+
+
+def test_preemptions_in_one_region_send_only_that_region_to_on_demand(regional_rig: Callable[..., Rig]) -> None:
+    """fallback_to_on_demand_after counts the preemptions of a node type's own region."""
+    rig = regional_rig(budget={}, spot={"fallback_to_on_demand_after": 1})
+    settle(rig.policy)
+    assert where(rig) == [("west", "west", "w-a", "spot"), ("east", "east", "e-a", "spot")]  # cheapest first
+    first_west, first_east = ids(rig)
+    preempt(rig, [first_west])
+    kill(rig, [first_east])  # died, not preempted: east's replacement stays on spot
+    # west on demand, in w-b: w-a's preemption still counts against it
+    assert where(rig)[2:] == [("west", "west", "w-b", "on-demand"), ("east", "east", "e-a", "spot")]
 
 
 def test_policy_module_imports_no_ray() -> None:

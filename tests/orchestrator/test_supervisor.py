@@ -67,6 +67,29 @@ def test_preemption_notice_graceful_leave_replacement_and_exact_trace_replay(tmp
     # the trainers' cost totals reached the store through their status answers (the dashboard's columns)
     costs = query(run_dir, "SELECT instance_id, samples, bytes_sent, comm_s, busy_s FROM peer_costs")
     assert len(costs) >= 2 and all(n > 0 and sent > 0 and 0 <= comm <= busy for _, n, sent, comm, busy in costs)
+    # and the rounds they completed, each once: an epoch's compute and communication seconds, which for
+    # each trainer add up to no more than its time training (the deltas of the same totals)
+    rounds = query(run_dir, "SELECT instance_id, epoch, compute_s, comm_s FROM rounds ORDER BY instance_id, epoch")
+    busy_of = {i: busy for i, _, _, _, busy in costs}
+    assert len({i for i, *_ in rounds}) >= 2 and len({e for _, e, _, _ in rounds}) >= 3
+    assert all(c >= 0 and m >= 0 for _, _, c, m in rounds)
+    for instance_id in {i for i, *_ in rounds}:
+        mine = [(e, c + m) for i, e, c, m in rounds if i == instance_id]
+        assert sum(w for _, w in mine) <= busy_of[instance_id] + 0.01, (instance_id, mine)
+    store = RunStore.open(run_dir)
+    try:
+        means = store.round_means(recent=1_000_000)
+    finally:
+        store.close()
+    by_epoch: dict[int, list[tuple[float, float]]] = {}
+    for _, epoch, compute, comm in rounds:
+        by_epoch.setdefault(epoch, []).append((compute, comm))
+    assert [m.epoch for m in means] == sorted(by_epoch, reverse=True)
+    for m in means:  # per epoch, the mean over the trainers that reported it
+        split = by_epoch[m.epoch]
+        assert m.peers == len(split)
+        assert m.compute_s == pytest.approx(sum(c for c, _ in split) / len(split))
+        assert m.comm_s == pytest.approx(sum(c for _, c in split) / len(split))
 
 
 def test_the_budget_cap_is_never_exceeded(tmp_path, wait_for):
