@@ -262,6 +262,8 @@ def main() -> None:
     parser.add_argument("--min-matchmaking-time", type=float, default=2.0)
     parser.add_argument("--preempted-seconds", type=float, default=None,
                         help="each preempted run's training time (default: 1.5 x --seconds)")
+    parser.add_argument("--collab-preempted-seconds", type=float, default=None,
+                        help="the collaborative mode's preempted run's, on the same trace (default: 3 x --seconds)")
     parser.add_argument("--restart-s", type=float, default=2.0, help="a preempted slot's newcomer starts after this")
     parser.add_argument("--seed", type=int, default=0, help="the preemption trace's")
     parser.add_argument("--modes", default=None, help=f"default {','.join(MODES)} (--quick: collaborative,diloco)")
@@ -294,11 +296,16 @@ def main() -> None:
                 e = epoch_interval(results[("collaborative", "none")]) if "collaborative" in modes else None
                 mean_life = 20 * (e or 1.0)
                 long = args.preempted_seconds or 1.5 * seconds  # kills cost collaborative epochs: time to reach
-                trace = preemption_trace(args.seed, mean_life, long)
+                # collaborative reaches the target latest under kills: its run gets longer, on the same trace
+                collab_long = args.collab_preempted_seconds or 3 * seconds
+                trace = preemption_trace(args.seed, mean_life, max(long, collab_long))
                 figures["preemption_mean_lifetime_s"] = mean_life
-                figures["preemptions_in_trace"] = len(trace)
+                figures["preemptions_in_trace"] = len([t for t, _ in trace if t < long - 5.0])
                 for mode in modes:
-                    results[(mode, "preempted")] = run_mode(world, mode, args, long, trace, "preempted", Path(tmp))
+                    length = collab_long if mode == "collaborative" else long
+                    results[(mode, "preempted")] = run_mode(world, mode, args, length,
+                                                            [(t, s) for t, s in trace if t < length - 5.0], "preempted",
+                                                            Path(tmp))
     finally:
         kill_all()
     report(results, target, figures)
