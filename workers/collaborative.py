@@ -287,6 +287,10 @@ class CollaborativeOptimizer:
         alone, live = self._round_peers(progress)
         if alone:
             return self._conclude(_Averaged(complete=True, group_size=1), 0.0, started, live, alone=True)
+        return self._average_round(live, started)
+
+    def _average_round(self, live: int, started: float) -> bool:
+        """Average with the ``live`` peers and step on the outcome, waiting for both here."""
         # wait for every live peer, including one whose record still shows the previous epoch
         # (it is about to report this one); the matchmaking time bounds the wait for a dead one
         result, stood_still = self._call(lambda n: self._average(live))

@@ -191,14 +191,10 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
             self._merged = []
 
     # ---- overlap: the round averages while the next inner phase trains ------------------------------
-    def _global_step(self, progress: Any) -> bool:
+    def _average_round(self, live: int, started: float) -> bool:
+        """With ``overlap``, launch the round on the DHT's loop and go back to training."""
         if not self.overlap:
-            return super()._global_step(progress)
-        self._prepare_round()
-        started = time.monotonic()
-        alone, live = self._round_peers(progress)
-        if alone:
-            return self._conclude(_Averaged(complete=True, group_size=1), 0.0, started, live, alone=True)
+            return super()._average_round(live, started)
         launched_from = [p.detach().to(dtype=torch.float32, copy=True) for p in self.params]
         weight = self._round_weight()  # the training thread goes on counting samples meanwhile
         future = self.dht.run_coroutine(lambda n: self._average(live, weight), return_future=True)
@@ -240,11 +236,6 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
             self.local_steps += carried[1]
         return stepped
 
-    def _finish_round_in_flight(self) -> None:
-        """Before anything that needs the buffers or the averager (leaving, loading state): land it."""
-        if self._inflight is not None:
-            self._land()
-
     async def _rpc_bequest(self, request: Any, ctx: CallContext) -> dict:
         """A leaver's partial pseudo-gradient for our round: ``{"e": epoch, "w": samples, "t": flat
         float32 tensor}``; ``{"ok": true}`` once it will count, else why not."""
@@ -277,7 +268,8 @@ class DiLoCoOptimizer(CollaborativeOptimizer):
     def prepare_to_leave(self) -> None:
         if self._leaving:
             return
-        self._finish_round_in_flight()
+        if self._inflight is not None:  # the bequest needs the buffers, and the averager must end: land it first
+            self._land()
         if self.local_samples > 0:
             self._bequeath()
 

@@ -22,6 +22,15 @@ def check_route(text: str | None) -> str | None:
     return text
 
 
+def check_overlap(overlap: bool, info: pydantic.ValidationInfo) -> bool:
+    """Only DiLoCo's rounds run in the background: said for another mode, overlap would change nothing."""
+    mode = info.data.get("mode", info.data.get("averaging"))  # the worker's key, the cluster YAML's
+    if overlap and mode is not None and mode != "diloco":
+        raise ValueError(f"overlaps DiLoCo's outer rounds with training, but the mode is {mode!r} (use mode "
+                         "diloco, or remove overlap)")
+    return overlap
+
+
 class WorkerConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
@@ -77,3 +86,4 @@ class WorkerConfig(pydantic.BaseModel):
                                                   "(spotswarm token issue): with it, only members take part")
 
     _route = pydantic.field_validator("route")(check_route)
+    _overlap = pydantic.field_validator("overlap")(check_overlap)

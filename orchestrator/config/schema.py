@@ -30,7 +30,7 @@ from orchestrator.config.validators import (
     split_zones,
 )
 from p2p.devices import DeviceName
-from workers.worker_config import BUILTIN_TASK_NAMES, WorkerConfig
+from workers.worker_config import BUILTIN_TASK_NAMES, WorkerConfig, check_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +261,8 @@ class TrainingConfig(_Strict):
     param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
     # where workers train: auto is the instance's GPU when its node type has one (resources: {GPU: n})
     device: DeviceName = "auto"
+
+    _overlap = pydantic.field_validator("overlap")(check_overlap)
 
 
 MOE_TASKS = ("moe-charlm",)  # built-in tasks whose feed-forward layers are the run's expert grid

@@ -60,11 +60,6 @@ class ZoneChoice:
             return list(self.provider.zones or self.config.provider.zones)
         return self.config.zones_of(node_type)
 
-    def choose(self, node_type: str, now: float) -> tuple[str, str]:
-        """The zone and market of ``best``."""
-        choice = self.best(node_type, now)
-        return choice.zone, choice.market
-
     def best(self, node_type: str, now: float) -> Choice:
         """The cheapest zone of the node type's region, penalized by its recent preemptions; on-demand
         after too many of them in that region (and back to spot once they leave the window), or when

@@ -65,6 +65,14 @@ def test_a_wrong_type_names_the_field_and_what_was_expected(tmp_path):
         load_cluster_config(path)
 
 
+def test_overlap_outside_diloco_is_an_error_naming_the_mode_and_in_diloco_reaches_the_workers(tmp_path):
+    path = write(tmp_path, GOOD.replace("task: synthetic", "task: synthetic\n  overlap: true"))
+    with pytest.raises(ConfigError, match=r"training.overlap: .*the mode is 'collaborative' \(use mode diloco"):
+        load_cluster_config(path)
+    path = write(tmp_path, GOOD.replace("task: synthetic", "task: synthetic\n  mode: diloco\n  overlap: true"))
+    assert load_cluster_config(path).worker_config([]).overlap is True
+
+
 def test_a_missing_field_and_a_bad_value_are_both_reported(tmp_path):
     path = write(tmp_path, GOOD.replace("cluster_name: t\n", "").replace("task: synthetic",
                                                                           "target_batch_size: 0"))
