@@ -57,6 +57,58 @@ def part_sizes(total: int, shares: np.ndarray) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def load_balanced_parts(total: int, bandwidths: list[float]) -> list[int]:
+CLAIM_FACTOR = 4.0
+
+
+def claims_within_reason(bandwidths: list[float], factor: float = CLAIM_FACTOR) -> list[float]:
+    """Declared bandwidths with each capped at ``factor`` x the median of the positive ones.
+
+    A declaration is a peer's own word, and the LP hands the largest parts to the largest claims: a
+    member declaring 1 Tbit/s among 100 Mbit/s peers would reduce the whole vector, and so decide
+    every value of the average.  Capped, a claim buys at most a few times an honest peer's share
+    (with n peers, a part of at most about ``factor`` / (n - 1 + ``factor``) of the vector); honest
+    links that really differ by more than ``factor`` split a little less well than the LP would like.
+    """
+    positive = sorted(b for b in bandwidths if b > 0)
+    if not positive:
+        return list(bandwidths)
+    mid = len(positive) // 2
+    median = positive[mid] if len(positive) % 2 else (positive[mid - 1] + positive[mid]) / 2
+    return [min(b, factor * median) for b in bandwidths]
+
+
+SHARE_FACTOR = 2.0
+
+
+def bounded_shares(shares: np.ndarray, active: np.ndarray, factor: float = SHARE_FACTOR) -> np.ndarray:
+    """``shares`` with none above ``factor`` / k of the vector (k: the ``active`` peers, which accept
+    connections), the excess
+    spread over the others in proportion to their shares (or equally, where they have none).
+
+    The LP gives the whole vector to the fastest peer once the others are saturated just sending
+    and receiving it; a peer that reduces everything decides every value of the average.
+    """
+    shares = np.asarray(shares, dtype=np.float64).copy()
+    active = np.asarray(active, dtype=bool)
+    k = int(active.sum())
+    cap = min(1.0, factor / max(k, 1))
+    for _ in range(k):
+        over = shares > cap
+        if not over.any():
+            break
+        excess = float((shares[over] - cap).sum())
+        shares[over] = cap
+        room = active & (shares < cap)
+        base = np.where(room, shares, 0.0)
+        shares += excess * (base / base.sum() if base.sum() > 0 else room / room.sum())
+    return shares / shares.sum()
+
+
+def load_balanced_parts(total: int, bandwidths: list[float], bounded: bool = False) -> list[int]:
+    """Part sizes by the LP; ``bounded``: declared (untrusted) bandwidths, each claim capped relative
+    to the group's (``claims_within_reason``) and no part over ``SHARE_FACTOR`` / k of the vector."""
+    if bounded:
+        shares, _ = optimal_shares(claims_within_reason(bandwidths))
+        return part_sizes(total, bounded_shares(shares, np.asarray(bandwidths) > 0))
     shares, _ = optimal_shares(bandwidths)
     return part_sizes(total, shares)

@@ -23,7 +23,8 @@ from p2p.node import CallContext
 from p2p.waiting import wait_event
 
 from .allreduce import GroupInfo, claimed_weight
-from .load_balancing import load_balanced_parts
+from .leader_probe import LeaderProbes
+from .load_balancing import claims_within_reason, load_balanced_parts
 from .partition import MIN_CHUNK, auto_chunk_size, describe_mismatch
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 # among the key's nearest.
 REPLICAS_REUSED_FOR = REUSED_FOR
 FULL_LOOKUP_EVERY = 1.0
+# A candidate leader's handshake gets this long at most (less when others answer: see leader_probe.py).
+LEADER_CONNECT_TIMEOUT = 2.0
 SETTLED_POLL_FACTOR = 5  # a leader's polls after its first FULL_LOOKUP_EVERY seconds: this many intervals apart
 
 
@@ -183,12 +186,20 @@ class Matchmaker:
         myself = Candidate(declared_at, self.me, declaration["a"], self.bandwidth, self.schema_hash)
         unreachable: set[PeerID] = set()
         self._polls = _Polls(replicas)
+        probes = LeaderProbes(self.p2p.connect, min(self.request_timeout, LEADER_CONNECT_TIMEOUT))
         try:
             while loop.time() < deadline:
-                leader = _pick_leader(await self._candidates(key, myself), unreachable)
+                candidates = await self._candidates(key, myself)
+                leader = _pick_leader(candidates, unreachable)
                 if leader is None:
                     await asyncio.sleep(self.poll_interval)
                     continue
+                if leader.peer_id != self.me:
+                    probes.start(_ahead_of(candidates, leader, myself, unreachable))
+                    assert leader.address is not None
+                    if not await probes.answers(leader.peer_id, leader.address):
+                        unreachable.add(leader.peer_id)
+                        continue
                 if leader.peer_id == self.me:
                     try:
                         group = await self._lead(group_key, key, myself, unreachable, deadline)
@@ -200,6 +211,7 @@ class Matchmaker:
                     return group
             return None
         finally:
+            await probes.close()
             # in the background: the group must not wait for a DHT round trip to start averaging
             self._spawn(self._withdraw(key, expiration, replicas))
 
@@ -332,8 +344,8 @@ class Matchmaker:
         followers = lead.followers[: self._target - 1]
         members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth,
                              weight=self._weight), *followers]
-        bandwidths = [m.bandwidth for m in members]
-        sizes = load_balanced_parts(self.numel, bandwidths)
+        bandwidths = claims_within_reason([m.bandwidth for m in members])
+        sizes = load_balanced_parts(self.numel, bandwidths, bounded=True)
         # weights go in as declared: each member refuses out-of-range ones itself, by the same rule
         group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes,
                           [m.weight for m in members], 0,
@@ -405,6 +417,14 @@ def _pick_leader(candidates: list[Candidate], unreachable: set[PeerID]) -> Candi
         if leaders:
             return leaders[0]
     return None
+
+
+def _ahead_of(candidates: list[Candidate], leader: Candidate, myself: Candidate,
+              unreachable: set[PeerID]) -> list[tuple[PeerID, str]]:
+    """The leaders this peer would try, in order, before leading itself: ``leader``'s class, declared earlier."""
+    return [(c.peer_id, c.address) for c in sorted(candidates)
+            if c.schema_hash == leader.schema_hash and c.address is not None and c.peer_id not in unreachable
+            and c.peer_id != myself.peer_id and c >= leader and c < myself]
 
 
 def _gone_unit(value: Any) -> int | None:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .validation import show_raw
+from .validation import owners_in, show_raw
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,11 @@ class Storage:
     max_expiration: float = 86400.0  # seconds ahead of our clock (plus clock_drift) a record may expire
     max_subkeys: int = 1024  # per key: a run of several hundred peers, each with its own subkey
     max_key_total_bytes: int = 2 << 20  # per key: its live subkeys and values together
+    # per owner of a shared key (subkeys naming [owner:...]): at most this fraction of either cap, but at
+    # least the floors, so one member's padded or flooded subkeys cannot fill a key for everybody else
+    owner_share: float = 1 / 8
+    min_owner_subkeys: int = 16
+    min_owner_bytes: int = 64 << 10
     _data: dict[int, Entry] = field(default_factory=dict)
     _expiry_heap: list[tuple[float, int]] = field(default_factory=list)
 
@@ -165,7 +170,7 @@ class Storage:
         if merged is None:
             return False
         if subkey is not None and merged.subkeys is not None:
-            reason = self._over_limits(merged)
+            reason = self._over_limits(merged) or self._over_owner_share(merged, subkey)
             if reason is not None:
                 return self._refuse(key, f"subkey {show_raw(subkey)}: {reason}")
         if key_id not in self._data and len(self._data) >= self.max_records:
@@ -181,6 +186,25 @@ class Storage:
         total = sum(len(sk) + len(v) for sk, (v, _) in entry.subkeys.items())
         if total > self.max_key_total_bytes:
             return f"the key's subkeys would total {total} bytes, over max_key_total_bytes={self.max_key_total_bytes}"
+        return None
+
+    def _over_owner_share(self, entry: Entry, subkey: bytes) -> str | None:
+        """The owner ``subkey`` names, over its share of the key (key filling); None for unowned subkeys."""
+        assert entry.subkeys is not None
+        owners = owners_in(subkey)
+        if len(owners) != 1:
+            return None
+        owner = owners[0]
+        mine = [(sk, v) for sk, (v, _) in entry.subkeys.items() if owners_in(sk) == [owner]]
+        max_count = max(int(self.max_subkeys * self.owner_share), self.min_owner_subkeys)
+        if len(mine) > max_count:
+            return (f"its owner already holds its share of the key: {max_count} subkeys "
+                    f"(owner_share={self.owner_share:g})")
+        max_bytes = max(int(self.max_key_total_bytes * self.owner_share), self.min_owner_bytes)
+        total = sum(len(sk) + len(v) for sk, v in mine)
+        if total > max_bytes:
+            return (f"its owner's subkeys would total {total} bytes, over its share of the key: {max_bytes} bytes "
+                    f"(owner_share={self.owner_share:g})")
         return None
 
     @staticmethod

@@ -13,7 +13,10 @@ writes the messages, times the handshake out, and closes the connection the way 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .budget import FrameBudget
@@ -56,6 +59,37 @@ logger = logging.getLogger(__name__)
 # transport keeps what it could not send as it was given, zero-copy views of the caller's tensors,
 # and the caller changes those as soon as the send returns (the next accumulation, the step).
 _WRITE_HIGH_WATER = 0
+REFUSAL_LOG_PERIOD = 30.0  # at most one line per this many seconds about per-address refusals
+
+
+class _SourceSlots:
+    """One node's accepted connections still in the handshake, by source address (``max_half_open_per_address``)."""
+
+    __slots__ = ("counts", "refused", "last_log", "__weakref__")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.refused = 0
+        self.last_log = -REFUSAL_LOG_PERIOD
+
+
+# Keyed by the node's pool: the per-address counts live and die with the node (no global state).
+_SOURCES: weakref.WeakKeyDictionary[Any, _SourceSlots] = weakref.WeakKeyDictionary()
+
+
+def source_key(peername: Any) -> str | None:
+    """What one source is, for the per-address bound: an IPv4 address, or an IPv6 /64 (None: not IP)."""
+    if not isinstance(peername, tuple) or not peername or not isinstance(peername[0], str):
+        return None
+    try:
+        ip = ipaddress.ip_address(peername[0].split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class PoolHooks(Protocol):
@@ -67,6 +101,8 @@ class PoolHooks(Protocol):
     def withdraw(self, conn: Connection) -> None: ...
     def remove(self, conn: Connection) -> None: ...
     def frame_budget_blocked(self) -> None: ...
+    @property
+    def num_half_open(self) -> int: ...
 
 
 class ConnectionHost(Protocol):
@@ -102,7 +138,8 @@ class Connection(FlowControl):
     __slots__ = (
         "host", "encoder", "decoder", "dialer", "expected_peer", "remote_addr", "handshake", "ready", "is_ready",
         "closed_future", "streams", "handlers", "close_reason", "going_away", "remote_goaway", "last_activity",
-        "bytes_in", "half_open", "_handshake_timer", "_next_sid", "_max_remote_sid",
+        "bytes_in", "half_open", "source", "_handshake_timer", "_next_sid", "_max_remote_sid",
+        "_frame_timer", "_frame_due", "_frame_since", "_frame_samples", "_paused_total", "_paused_since",
     )
 
     def __init__(self, host: ConnectionHost, dialer: bool, expected_peer: PeerID | None = None) -> None:
@@ -126,9 +163,18 @@ class Connection(FlowControl):
         self.last_activity = self.loop.time()
         self.bytes_in = 0  # for the frame-budget stall rule
         self.half_open = False  # counted in the peer's accepted-but-not-ready connections
+        self.source: str | None = None  # counted in max_half_open_per_address under this key while half-open
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._next_sid = 1 if dialer else 2
         self._max_remote_sid = 0
+        # The frame-rate floor (Limits.frame_floor_rate): a timer while a message holds frame budget,
+        # (active time, bytes_in) samples over the window, and the time our own side paused reading.
+        self._frame_timer: asyncio.TimerHandle | None = None
+        self._frame_due = 0.0
+        self._frame_since = 0.0
+        self._frame_samples: deque[tuple[float, int]] | None = None
+        self._paused_total = 0.0
+        self._paused_since: float | None = None
 
     # ---- who is on the other end (as the handshake found) ---------------------------------
     @property
@@ -153,17 +199,64 @@ class Connection(FlowControl):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.remote_addr = transport.get_extra_info("peername")
+        slots = None if self.dialer else self._source_slots()
+        key = source_key(self.remote_addr) if slots is not None else None
+        if (key is not None and slots is not None and slots.counts.get(key, 0) >= self.limits.max_half_open_per_address
+                and self.host.pool.num_half_open >= self.limits.max_half_open // 2):  # half the slots stay others''
+            self._refuse_source(slots, key)
+            self.closed = True
+            self.close_reason = f"over max_half_open_per_address={self.limits.max_half_open_per_address}"
+            transport.abort()  # connection_lost follows; nothing was allocated for it yet
+            return
         if not self.host.pool.admit(self):
             self.closed = True
             self.close_reason = f"over max_half_open={self.limits.max_half_open}"
             transport.abort()  # connection_lost follows; nothing was allocated for it yet
             return
+        if key is not None and slots is not None and self.half_open:
+            self.source = key
+            slots.counts[key] = slots.counts.get(key, 0) + 1
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER, low=0)
         self._handshake_timer = self.loop.call_later(self.limits.handshake_timeout, self._handshake_expired)
         host = self.host
         hello = self.handshake.start(self.remote_addr, host.client_mode, host.listen_address_str,
                                      host.certificate_bytes)
         self._write(self.encoder.encode(hello))
+
+    def _source_slots(self) -> _SourceSlots | None:
+        pool = self.host.pool
+        try:
+            slots = _SOURCES.get(pool)
+            if slots is None:
+                slots = _SOURCES[pool] = _SourceSlots()
+        except TypeError:  # a pool that cannot be weakly referenced (a test's stand-in): no per-address bound
+            return None
+        return slots
+
+    def _refuse_source(self, slots: _SourceSlots, key: str) -> None:
+        """Count a connection refused for its address; log at most once per REFUSAL_LOG_PERIOD."""
+        slots.refused += 1
+        now = self.loop.time()
+        if now - slots.last_log < REFUSAL_LOG_PERIOD:
+            return
+        logger.warning("%s: %d accepted connections from %s have not finished the handshake "
+                       "(max_half_open_per_address=%d): refusing new ones from it (%d refused since the last report)",
+                       self.host, slots.counts.get(key, 0), key, self.limits.max_half_open_per_address, slots.refused)
+        slots.last_log = now
+        slots.refused = 0
+
+    def _release_source(self) -> None:
+        key, self.source = self.source, None
+        if key is None:
+            return
+        slots = _SOURCES.get(self.host.pool)
+        if slots is None:
+            return
+        left = slots.counts.get(key, 0) - 1
+        if left > 0:
+            slots.counts[key] = left
+        else:
+            slots.counts.pop(key, None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         buf = self.decoder.get_buffer()
@@ -199,8 +292,83 @@ class Connection(FlowControl):
         except ProtocolError as e:
             self.abort(f"protocol error: {e}", logging.WARNING if self.is_ready else logging.INFO)
             return
+        if decoder.reserved:
+            if self._frame_timer is None:
+                self._watch_frames()
+        elif self._frame_timer is not None:
+            self._unwatch_frames()
         if decoder.blocked and self.pause_for_budget():
             self.host.pool.frame_budget_blocked()
+
+    # ---- the frame-rate floor --------------------------------------------------------------
+    def update_reading(self) -> None:
+        """FlowControl's, noting when our side paused reading: that time is not held against the remote."""
+        was = self._transport_paused
+        super().update_reading()
+        if self._transport_paused != was:
+            now = self.loop.time()
+            if self._transport_paused:
+                self._paused_since = now
+            elif self._paused_since is not None:
+                self._paused_total += now - self._paused_since
+                self._paused_since = None
+
+    def _active_time(self) -> float:
+        """Loop time less the time our side kept this socket unread."""
+        now = self.loop.time()
+        paused = self._paused_total
+        if self._paused_since is not None:
+            paused += now - self._paused_since
+        return now - paused
+
+    def _frame_tick(self) -> float:
+        return max(min(self.limits.frame_rate_grace, self.limits.frame_rate_window) / 4, 0.01)
+
+    def _watch_frames(self) -> None:
+        """A message holds frame budget (and is not complete): judge its feed rate until it is."""
+        if self.closed:
+            return
+        now = self._active_time()
+        self._frame_since = now
+        self._frame_samples = deque([(now, self.bytes_in)])
+        self._arm_frame_timer()
+
+    def _arm_frame_timer(self) -> None:
+        tick = self._frame_tick()
+        self._frame_due = self.loop.time() + tick
+        self._frame_timer = self.loop.call_at(self._frame_due, self._check_frame_rate)
+
+    def _unwatch_frames(self) -> None:
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+        self._frame_samples = None
+
+    def _check_frame_rate(self) -> None:
+        """Close the connection if, past the grace, it fed under frame_floor_rate over the window."""
+        self._frame_timer = None
+        samples = self._frame_samples
+        if self.closed or not self.decoder.reserved or samples is None:
+            self._frame_samples = None
+            return
+        lag = self.loop.time() - self._frame_due
+        if lag > self._frame_tick() and self._paused_since is None:
+            self._paused_total += lag  # our event loop was busy: the remote's bytes could not be read
+        now, got_total = self._active_time(), self.bytes_in
+        samples.append((now, got_total))
+        lim = self.limits
+        if now - self._frame_since >= lim.frame_rate_grace:
+            cutoff = now - lim.frame_rate_window
+            while len(samples) > 2 and samples[1][0] <= cutoff:
+                samples.popleft()
+            since, base = samples[0]
+            span, got = now - since, got_total - base
+            if span > 0 and got < lim.frame_floor_rate * span:
+                self.abort(f"frames too slow: {got} bytes in {span:.1f} s, under frame_floor_rate="
+                           f"{lim.frame_floor_rate} B/s, while holding {self.decoder.reserved} bytes of the "
+                           f"frame budget; budget taken back")
+                return
+        self._arm_frame_timer()
 
     def _on_budget_granted(self) -> None:
         # Called from inside whichever decoder released budget: continue on a fresh stack.
@@ -360,6 +528,8 @@ class Connection(FlowControl):
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
             self._handshake_timer = None
+        if self.source is not None:
+            self._release_source()
         self.host.pool.handshake_over(self)
 
     def _fail_ready(self, exc: Exception, level: int = logging.WARNING) -> None:
@@ -499,6 +669,7 @@ class Connection(FlowControl):
 
     def _fail_everything(self) -> None:
         self._end_handshake()
+        self._unwatch_frames()
         self.decoder.close()
         self.decoder.on_granted = None  # no cycle through the decoder once closed
         self._not_ready(PeerUnreachable(self._unreachable_text()))

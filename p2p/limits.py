@@ -19,8 +19,22 @@ class Limits:
 
     Before the handshake has proved who is on the other end, a connection gets far less: one
     small header at a time (``max_handshake_header_bytes``), no frames, ``handshake_timeout``
-    seconds to finish, and at most ``max_half_open`` such accepted connections at once.  With
-    these defaults a stranger's connection costs the node a few KiB and at most 10 s.
+    seconds to finish, and at most ``max_half_open`` such accepted connections at once, of which
+    once half of them are taken, at most ``max_half_open_per_address`` (16) from one source address
+    (an IPv6 source counts by its /64), so one address cannot take every slot.  With these defaults
+    a stranger's connection costs the node a few KiB and at most 10 s.
+
+    Frames: a message with frames holds its declared bytes of the node's frame budget
+    (``max_pending_frame_bytes``) until it is complete.  The node keeps a further 1/16 of that
+    budget spare for small messages (at most 1/256 of it each: 4 MiB of 64 MiB by default), which
+    they use when the rest is taken or others wait, so one huge message cannot block other
+    members' small calls.  A connection holding frame budget must always feed it: after
+    ``frame_rate_grace`` seconds (2 s) the bytes it sent over the last ``frame_rate_window``
+    seconds (10 s) must average at least ``frame_floor_rate`` (4 KiB/s), or it is closed and its
+    budget taken back.  Time when this node itself stopped reading (flow control, its own rate
+    limit, a busy event loop) does not count.  The floor is low on purpose: a link throttled to
+    1 Mbit/s that sends to a dozen peers at once still clears it; the stricter ``min_frame_rate``
+    (64 KiB/s over ``frame_stall_timeout``) applies only while other messages wait for the budget.
     """
 
     max_header_bytes: int = 8 * MiB
@@ -37,6 +51,8 @@ class Limits:
     handshake_timeout: float = 10.0
     # Accepted connections still in the handshake; further ones are closed at once.
     max_half_open: int = 256
+    # Of those, at most this many from one source address (IPv4 address, IPv6 /64).
+    max_half_open_per_address: int = 16
     # Bytes the whole node promises to frames declared but not yet received.  The decoder
     # allocates a tensor when its header arrives, so without this a peer could make us hold
     # max_message_bytes per connection that it never sends.  1 GiB admits the largest single
@@ -47,6 +63,12 @@ class Limits:
     # fewer than min_frame_rate bytes/s over frame_stall_timeout seconds is closed.
     frame_stall_timeout: float = 30.0
     min_frame_rate: int = 64 * KiB
+    # Always (others waiting or not): a connection holding frame budget is closed when, after
+    # frame_rate_grace seconds, it fed fewer than frame_floor_rate bytes/s over the last
+    # frame_rate_window seconds (time this node paused reading excluded).
+    frame_floor_rate: int = 4 * KiB
+    frame_rate_grace: float = 2.0
+    frame_rate_window: float = 10.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -216,7 +216,7 @@ class Decoder:
             self.budget.withdraw(self)
         if self.reserved:
             nbytes, self.reserved = self.reserved, 0
-            self.budget.release(nbytes)
+            self.budget.release(nbytes, self)
 
     def granted(self, nbytes: int) -> None:
         """The budget granted the frame bytes this decoder waited for: parse on."""
@@ -429,7 +429,7 @@ class Decoder:
         if self.reserved:
             nbytes, self.reserved = self.reserved, 0
             assert self.budget is not None
-            self.budget.release(nbytes)
+            self.budget.release(nbytes, self)
 
 
 def _make_target(code: int, data: bytes, frames: _Frames) -> Any:

@@ -34,7 +34,10 @@ READ_REPLICAS = 3  # of a key's replicas, how many a view reads: each holds ever
 
 
 class PeerProgress(pydantic.BaseModel):
-    """One peer's report (also the DHT schema of ``<run>.progress`` values)."""
+    """One peer's report (also the DHT schema of ``<run>.progress`` values); no other fields, so a
+    record cannot be padded to fill the shared key."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
 
     epoch: int = pydantic.Field(ge=0)
     samples: int = pydantic.Field(ge=0)

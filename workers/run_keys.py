@@ -31,6 +31,12 @@ class ProgressRecord(PeerProgress):
     time: float = pydantic.Field(allow_inf_nan=False)
 
 
+class ProgressSummaryRecord(ProgressSummary):
+    """A summary under a progress key: a ``ProgressSummary`` with no other fields (padding)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
 class StateAdvert(pydantic.BaseModel):
     """A ``<run>.state`` value (``workers/state.py`` StateSharer.advertise): a donor's epoch and address."""
 
@@ -84,7 +90,7 @@ def run_rules(run: str) -> list[KeyRule]:
     progress = re.compile(rf"{re.escape(run)}\.progress(\.[0-9]+)*")
     state = re.compile(rf"{re.escape(run)}\.state(\.[0-9]+)*")
     return [
-        KeyRule.regex(progress.pattern, f"progress keys of run {run!r}", value=ProgressRecord | ProgressSummary,
+        KeyRule.regex(progress.pattern, f"progress keys of run {run!r}", value=ProgressRecord | ProgressSummaryRecord,
                       **owned),
         KeyRule.regex(state.pattern, f"state advert keys of run {run!r}", value=StateAdvert, **owned),
         KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", dictionary=True, subkey=str,
