@@ -1,4 +1,4 @@
-"""Which declared leaders answer: a follower skips a dead one in a fraction of a second.
+"""Which declared leaders answer: a follower skips a dead one in about a second.
 
 A declaration names an address, and nothing stops a member (or a crashed peer's stale record)
 from naming a socket that accepts and never answers.  Calling it costs the follower its whole
@@ -29,7 +29,7 @@ Connect = Callable[[str, float], Awaitable[object]]
 class LeaderProbes:
     """Connection attempts to candidate leaders, owned by one ``form_group`` call (``close`` ends them)."""
 
-    def __init__(self, connect: Connect, timeout: float, *, slack: float = 4.0, floor: float = 0.25,
+    def __init__(self, connect: Connect, timeout: float, *, slack: float = 4.0, floor: float = 1.0,
                  fanout: int = 16) -> None:
         self._connect = connect
         self.timeout = timeout
