@@ -8,9 +8,10 @@ from .averager import Averager, DecentralizedAverager, MoshpitAverager, StepResu
 from .grouped import GroupedResult, GroupPlan, average_in_groups, quorum_of
 from .load_balancing import load_balanced_parts, optimal_shares, part_sizes
 from .matchmaking import Planned, ShapeMismatch
+from .robust import Byzantine
 
 __all__ = [
-    "Averager", "Codec", "DecentralizedAverager", "GroupInfo", "GroupPlan", "GroupedResult", "MoshpitAverager",
+    "Averager", "Byzantine", "Codec", "DecentralizedAverager", "GroupInfo", "GroupPlan", "GroupedResult", "MoshpitAverager",
     "Planned", "ShapeMismatch", "StepResult", "average_in_groups", "load_balanced_parts", "optimal_shares",
     "part_sizes", "quorum_of",
 ]

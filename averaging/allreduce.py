@@ -50,6 +50,7 @@ from p2p.waiting import wait_event
 
 from .partition import MIN_CHUNK, Chunk, FlatTensors, chunk_size_problem, describe_mismatch, part_bounds
 from .reduction import DEFAULT_NORM_RATIO, Reducer, all_finite
+from .robust import Byzantine
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,16 @@ def weight_problem(weight: float, max_weight: float) -> str | None:
     if weight > max_weight:
         return f"weight {weight:g} is over max_weight {max_weight:g}"
     return None
+
+
+def capped_weights(weights: list[float], refused: set[int], ratio: float | None) -> list[float]:
+    """Each member's weight, at most ``ratio`` times the median positive weight of the members not
+    refused (every member computes the same from the same group description)."""
+    positive = sorted(w for j, w in enumerate(weights) if j not in refused and w > 0)
+    if ratio is None or not positive:
+        return list(weights)
+    cap = ratio * positive[(len(positive) - 1) // 2]
+    return [min(w, cap) for w in weights]
 
 
 @dataclass
@@ -147,10 +158,13 @@ class AllReduceRound:
     def __init__(self, p2p: P2P, method: str, group: GroupInfo, flat: FlatTensors, weight: float,
                  codec: Codec, chunk_size: int, sender_timeout: float, window: int, *,
                  max_weight: float = DEFAULT_MAX_WEIGHT, norm_ratio: float | None = DEFAULT_NORM_RATIO,
+                 max_weight_ratio: float | None = None, byzantine: Byzantine = Byzantine.OFF,
                  finite: bool | None = None) -> None:
         """``finite``: whether ``flat`` holds only finite values, where the caller already looked (the
         averager does, while matchmaking waits on the network); None: this round looks, before any byte
-        is sent."""
+        is sent.  ``max_weight_ratio``: a member weighs at most this many times the group's median
+        (None: no such cap); ``byzantine``: how reducers aggregate (``robust.Byzantine``)."""
+        self.byzantine = Byzantine(byzantine)
         self.p2p = p2p
         self.method = method
         self.group = group
@@ -177,10 +191,13 @@ class AllReduceRound:
         if self.nonfinite:
             logger.warning("local tensors hold non-finite values: this peer is excluded from the average")
             self.weight = weight = 0.0
+        self.weights = capped_weights(group.weights, set(self.outcome.failed), max_weight_ratio)
+        if not self.nonfinite:
+            self.weight = weight = min(weight, self.weights[me])
         start, end = self.bounds[me]
-        senders = {j: (0.0 if j in self.outcome.failed else group.weights[j]) for j in range(group.size) if j != me}
+        senders = {j: (0.0 if j in self.outcome.failed else self.weights[j]) for j in range(group.size) if j != me}
         self.reducer = Reducer(flat, self._chunks(me), senders, weight, dict(self.outcome.failed), sender_timeout,
-                                norm_ratio) if end > start else None
+                                norm_ratio, self.byzantine) if end > start else None
 
     def _chunks(self, part: int) -> list[Chunk]:
         start, end = self.bounds[part]
@@ -310,7 +327,7 @@ class AllReduceRound:
 
     def _header(self) -> dict:
         return {"g": self.group.group_id, "i": self.group.my_index, "w": self.declared_weight,
-                "schema": self.flat.schema, "nonfinite": self.nonfinite}
+                "schema": self.flat.schema, "nonfinite": self.nonfinite, "z": self.byzantine.value}
 
     def _outgoing(self, chunk: Chunk) -> dict:
         """The payload that carries our values of ``chunk``."""
@@ -327,7 +344,7 @@ class AllReduceRound:
 
     # ---- reducing side (one sender) ------------------------------------------------------------
     async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False,
-                    disconnect: Callable[[str], None] | None = None) -> Any:
+                    disconnect: Callable[[str], None] | None = None, byzantine: Any = Byzantine.OFF.value) -> Any:
         """Async generator run by the P2P handler for one sender of our part.
 
         A sender dropped for what it declared or sent is still served the average of the others.
@@ -347,6 +364,9 @@ class AllReduceRound:
             reducer.fail(sender, f"called with weight {str(weight)[:40]} but joined with {joined:g}")
         if nonfinite:
             reducer.fail(sender, "it holds non-finite values")
+        if byzantine != self.byzantine.value:
+            reducer.fail(sender, f"it averages with byzantine={str(byzantine)[:16]}, this group with "
+                                 f"{self.byzantine.value}")
         consumer = asyncio.ensure_future(self._consume(sender, requests))
         try:
             for c in range(len(reducer.chunks)):

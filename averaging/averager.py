@@ -30,6 +30,7 @@ from .bandwidth import BandwidthMeter, ProbeSink, probe
 from .matchmaking import Matchmaker, Planned
 from .partition import FlatTensors, chunk_size_problem
 from .reduction import DEFAULT_NORM_RATIO, all_finite
+from .robust import Byzantine
 
 logger = logging.getLogger(__name__)
 OUTCOMES_KEPT = 64  # recent rounds whose outcome a member can still ask us about
@@ -75,7 +76,11 @@ class DecentralizedAverager:
 
     ``max_weight`` bounds the weight a member may declare and ``norm_ratio`` how far a member's
     values may stand above the others' in a chunk (None: no such check); members outside either
-    are dropped from the average (see ``allreduce``).  Every member of a run should use the same.
+    are dropped from the average (see ``allreduce``).  ``max_weight_ratio`` caps each member's
+    weight at that many times the group's median (None: no cap with ``byzantine="off"``, 2 where the
+    group clips, so that one member of a group of four holds under half the weight).  ``byzantine`` is how far
+    reducers are trusted (``robust.Byzantine``: off, clip, verify).  Every member of a run should
+    use the same.
 
     ``chunk_size`` (elements) is the leader's to choose for its group: None (the default) sizes
     chunks by the members' declared bandwidths (``partition.auto_chunk_size``); a number fixes it
@@ -89,14 +94,28 @@ class DecentralizedAverager:
                  request_timeout: float = 3.0, allreduce_timeout: float = 60.0, sender_timeout: float = 5.0,
                  compression: str | Codec = Codec.NONE, chunk_size: int | None = None, window: int = 6,
                  bandwidth: float | None = None, poll_interval: float = 0.05, max_weight: float = DEFAULT_MAX_WEIGHT,
-                 norm_ratio: float | None = DEFAULT_NORM_RATIO) -> None:
+                 norm_ratio: float | None = DEFAULT_NORM_RATIO,
+                 max_weight_ratio: float | None = None,
+                 byzantine: str | Byzantine = Byzantine.OFF) -> None:
         if "." in prefix or not prefix:
             raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
         if not 0 < max_weight < float("inf"):
             raise ValueError(f"max_weight must be a positive finite number, got {max_weight!r}")
         if norm_ratio is not None and not 1 < norm_ratio < float("inf"):
             raise ValueError(f"norm_ratio must be a finite number above 1 or None, got {norm_ratio!r}")
+        try:
+            self.byzantine = Byzantine(byzantine)
+        except ValueError:
+            raise ValueError(f"byzantine must be one of {', '.join(b.value for b in Byzantine)}, "
+                             f"got {byzantine!r}") from None
+        if max_weight_ratio is None:
+            max_weight_ratio = self.byzantine.max_weight_ratio
+        if not 1 <= max_weight_ratio <= float("inf"):
+            raise ValueError(f"max_weight_ratio must be a number >= 1 (inf: no cap) or None (the byzantine "
+                             f"mode's default), got {max_weight_ratio!r}")
         self.max_weight = float(max_weight)
+        self.max_weight_ratio = max_weight_ratio
+        self._weight_ratio = max_weight_ratio  # this step's (step's weight_ratio_scale)
         self.norm_ratio = norm_ratio
         self.node = node
         self.prefix = prefix
@@ -176,7 +195,7 @@ class DecentralizedAverager:
     async def step(self, weight: float = 1.0, timeout: float | None = None, group_key: str = "all",
                    target_group_size: int | None = None, abort: asyncio.Event | None = None,
                    min_group_size: int | None = None, patience: float | None = None,
-                   planned: Planned | None = None) -> StepResult:
+                   planned: Planned | None = None, weight_ratio_scale: float = 1.0) -> StepResult:
         """Find a group under ``group_key`` and average with it; averages in place.
 
         ``weight`` (e.g. samples processed) weighs this peer in the mean; at most ``max_weight``.
@@ -187,7 +206,9 @@ class DecentralizedAverager:
         ``target_group_size`` and ``min_group_size`` override the averager's for this step, and
         ``patience`` how long a leader waits for a full group (``Matchmaker.form_group``; ``planned``:
         who should come, so that it waits for none that will not); matchmaking then lasts up to
-        ``max(min_matchmaking_time, patience) + 2 * request_timeout``.
+        ``max(min_matchmaking_time, patience) + 2 * request_timeout``.  ``weight_ratio_scale``
+        multiplies ``max_weight_ratio`` for this step (a representative of a group of groups weighs
+        that group's total).
         """
         try:
             weight = float(weight)
@@ -198,14 +219,17 @@ class DecentralizedAverager:
             raise ValueError(f"{problem}: a weight must be finite, >= 0 and at most max_weight")
         async with self._lock:
             try:
+                self._weight_ratio = None if self.max_weight_ratio is None \
+                    else self.max_weight_ratio * weight_ratio_scale
                 return await self._step(weight, timeout, group_key, target_group_size, abort, min_group_size,
                                         patience, planned)
             finally:
                 self.phase = "idle"
+                self._weight_ratio = self.max_weight_ratio
 
     async def _step(self, weight: float, timeout: float | None, group_key: str, target_group_size: int | None,
                     abort: asyncio.Event | None, min_group_size: int | None, patience: float | None,
-                    planned: Planned | None = None) -> StepResult:
+                    planned: Planned | None = None, weight_ratio_scale: float = 1.0) -> StepResult:
         """One matchmaking, then one round with the group found (if any)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -265,7 +289,8 @@ class DecentralizedAverager:
         started = loop.time()
         round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, codec,
                                   group.chunk_size, sender_timeout, self.window,
-                                  max_weight=self.max_weight, norm_ratio=self.norm_ratio, finite=finite)
+                                  max_weight=self.max_weight, norm_ratio=self.norm_ratio,
+                                  max_weight_ratio=self._weight_ratio, byzantine=self.byzantine, finite=finite)
         future = self._rounds.setdefault(group.group_id, loop.create_future())
         if not future.done():
             future.set_result(round_)
@@ -325,7 +350,8 @@ class DecentralizedAverager:
         if not 0 <= index < round_.group.size or round_.group.peer_ids[index] != ctx.peer_id:
             raise PermissionError("sender index does not match the caller's identity")
         async for payload in round_.serve(index, first.get("w"), first.get("schema"), requests,
-                                          bool(first.get("nonfinite")), ctx.disconnect):
+                                          bool(first.get("nonfinite")), ctx.disconnect,
+                                          first.get("z", Byzantine.OFF.value)):
             yield payload
 
     # ---- after a round: did the others get its average? -----------------------------------------

@@ -134,7 +134,9 @@ async def average_in_groups(averager: DecentralizedAverager, plan: GroupPlan, we
         planned = Planned(plan.members_of(group) if level == 0 and not top else (), unit)
         step = await averager.step(weight, timeout=max(deadline - loop.time(), 1e-3), group_key=group_key,
                                    target_group_size=target, abort=abort, min_group_size=quorum,
-                                   patience=_patience(averager, level), planned=planned)
+                                   patience=_patience(averager, level), planned=planned,
+                                   # a representative weighs its group's total: up to every peer's
+                                   weight_ratio_scale=1.0 if level == 0 else float(counts[0]))
         result.levels.append(step)
         logger.debug("%s: level %d group %s of %d planned: %d members (matchmaking %.2f s, round %.2f s)",
                      group_key, level, group, target, step.group_size, step.matchmaking_time, step.allreduce_time)

@@ -28,6 +28,7 @@ import torch
 from p2p.codecs import FLOAT32_MAX, Codec, decode, decode_into, encode, norm
 
 from .partition import Chunk, FlatTensors
+from .robust import Byzantine, clip_coefficients, squared_distances
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ class Reducer:
     """
 
     def __init__(self, flat: FlatTensors, chunks: list[Chunk], sender_weights: dict[int, float], weight: float,
-                 excluded: dict[int, str], sender_timeout: float, norm_ratio: float | None) -> None:
+                 excluded: dict[int, str], sender_timeout: float, norm_ratio: float | None,
+                 byzantine: Byzantine = Byzantine.OFF) -> None:
         self.flat = flat
+        self.byzantine = byzantine
         self.chunks = chunks
         self.expected = set(sender_weights)
         self.sender_weight = sender_weights
@@ -124,14 +127,17 @@ class Reducer:
         self.pending[c] = {}
         view = self.flat.flat[self.chunks[c].start:self.chunks[c].end]
         refused = self._screen(c, contributions, view)
-        # Our values, in place, become the running weighted mean: one pass per sender and none to
+        # a fixed order: the result does not depend on arrival times
+        admitted = [s for s in sorted(contributions) if s not in refused]
+        own, coefficients = self._coefficients(view, admitted, contributions)
+        # Our values, in place, become the running weighted sum: one pass per sender and none to
         # weight our values or divide at the end; every intermediate is a convex combination of
         # admitted values, so none can overflow once each is under half the float32 range.
-        total = self.own_weight
-        for s in sorted(contributions):  # a fixed order: the mean does not depend on arrival times
-            if s not in refused:
-                total += self.sender_weight[s]
-                view.lerp_(contributions[s][0], self.sender_weight[s] / total)
+        total = own
+        for s, coefficient in zip(admitted, coefficients, strict=True):
+            if coefficient > 0:
+                total += coefficient
+                view.lerp_(contributions[s][0], coefficient / total)
         payload = encode(self.chunks[c].codec, view)
         if payload["c"] != Codec.NONE.value:
             decode_into(payload, view)  # keep exactly what the senders will decode
@@ -139,6 +145,19 @@ class Reducer:
         self.done[c].set_result(None)
         for s, why in refused.items():
             self.fail(s, why)
+
+    def _coefficients(self, view: torch.Tensor, admitted: list[int],
+                      contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[float, list[float]]:
+        """What our values and each admitted sender's weigh in the chunk's result: the weights (a
+        weighted mean), or CenteredClip's coefficients where the group clips."""
+        weights = [self.sender_weight[s] for s in admitted]
+        if not self.byzantine.clips or len(admitted) + (self.own_weight > 0) < 2:
+            return self.own_weight, weights
+        xs = [contributions[s][0] for s in admitted]
+        if self.own_weight > 0:
+            xs, weights = [view, *xs], [self.own_weight, *weights]
+        coefficients, _ = clip_coefficients(squared_distances(xs), weights)
+        return (coefficients[0], coefficients[1:]) if self.own_weight > 0 else (0.0, coefficients)
 
     def _screen(self, c: int, contributions: dict[int, tuple[torch.Tensor, float]],
                 view: torch.Tensor) -> dict[int, str]:

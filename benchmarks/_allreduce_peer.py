@@ -149,6 +149,7 @@ async def main(args: argparse.Namespace) -> None:
                     [tensor], node, cmd[1], target_group_size=int(cmd[2]),
                     bandwidth=None if cmd[3] == "measured" else float(cmd[3]),
                     min_matchmaking_time=args.min_matchmaking_time, allreduce_timeout=args.allreduce_timeout,
+                    byzantine=args.byzantine,
                     **({"chunk_size": args.chunk_size} if args.chunk_size else {}),
                     **({"window": args.window} if args.window else {}))
                 emit({"avg_ready": cmd[1]})
@@ -192,6 +193,8 @@ if __name__ == "__main__":
     parser.add_argument("--membership-authority", metavar="PATH", help="run membership on, with this authority key")
     parser.add_argument("--membership-run", default="bench", help="the run the certificates name")
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--byzantine", default="off", choices=["off", "clip", "verify"],
+                        help="how far reducers are trusted (averaging.robust.Byzantine)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--client-mode", action="store_true")
     parser.add_argument("--min-matchmaking-time", type=float, default=30.0)

@@ -52,6 +52,7 @@ from p2p.membership import Authority, Membership  # noqa: E402
 HOSTILE = os.path.join(ROOT, "tests", "security", "hostile_client.py")
 RUN = "bench"
 CHILD_LIMIT_S = 120.0
+BYZANTINE_MODES = ("clip",)  # against byzantine=off, all with membership on
 
 
 def member(authority: Authority, identity: Identity) -> Membership:
@@ -178,17 +179,19 @@ def measure_dht(authority: Authority, quick: bool) -> dict:
 
 # ---- all-reduce --------------------------------------------------------------------------------------
 def measure_allreduce(authority_path: str, quick: bool) -> dict:
+    """Membership off and on, and the byzantine levels (membership on) side by side, alternating."""
     from bench_allreduce import PeerSet
 
     size = 10_000_000  # the hot path's size: smaller rounds are too short to compare on a noisy machine
-    rounds, reps = (2, 3) if quick else (3, 5)
+    rounds, reps = (2, 2) if quick else (3, 5)
     sets: dict[str, PeerSet] = {}
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    members = ["--membership-authority", authority_path, "--membership-run", RUN]
+    modes = {"off": [], "on": members, **{m: [*members, "--byzantine", m] for m in BYZANTINE_MODES}}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     errors: list[str] = []
     try:
-        sets["off"] = PeerSet("ours", 4, size, round_timeout=CHILD_LIMIT_S)
-        sets["on"] = PeerSet("ours", 4, size, round_timeout=CHILD_LIMIT_S,
-                             extra_args=["--membership-authority", authority_path, "--membership-run", RUN])
+        for mode, extra in modes.items():
+            sets[mode] = PeerSet("ours", 4, size, round_timeout=CHILD_LIMIT_S, extra_args=extra)
         for rep in range(reps):
             for mode, peers in sets.items():
                 run = peers.run(range(4), rounds, prefix=f"{mode}{rep}")
@@ -203,6 +206,10 @@ def measure_allreduce(authority_path: str, quick: bool) -> dict:
     if times["off"] and times["on"]:
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         out.update(allreduce_off_s=off, allreduce_on_s=on, membership_allreduce_ratio=on / off)
+        for mode in BYZANTINE_MODES:
+            if times[mode]:
+                out[f"allreduce_{mode}_s"] = statistics.median(times[mode])
+                out[f"byzantine_{mode}_allreduce_ratio"] = out[f"allreduce_{mode}_s"] / on
     return out
 
 
@@ -282,6 +289,8 @@ def print_figures(f: dict) -> None:
         ("  ratio on / off", fmt("membership_dht_get_ratio"), "<= 1.10"),
         (f"all-reduce 4 x {size}M (s), off / on", f"{fmt('allreduce_off_s')} / {fmt('allreduce_on_s')}", ""),
         ("  ratio on / off", fmt("membership_allreduce_ratio"), "<= 1.10"),
+        ("  byzantine=clip / off (s)", f"{fmt('allreduce_clip_s')}; ratio {fmt('byzantine_clip_allreduce_ratio')}",
+         "<= 1.15"),
         (f"memory growth, {f.get('hostile_connections', 0):,} hostile conns (MB)", fmt("hostile_mem_growth_mb", 1),
          "<= 64"),
         ("node serves a member afterwards", str(f.get("served_after_attack", "-")), "True"),

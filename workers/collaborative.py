@@ -97,7 +97,7 @@ class CollaborativeOptimizer:
                  scheduler: Any = None, compression: str | Codec = Codec.NONE, min_matchmaking_time: float = 2.0,
                  averaging_timeout: float = 30.0, report_interval: float = 0.1, load_state_on_start: bool = True,
                  max_group_size: int = 256, bandwidth: float | None = None, swarm_size: int = 16,
-                 view_interval: float = 0.1, fresh_for: float = 5.0) -> None:
+                 view_interval: float = 0.1, fresh_for: float = 5.0, byzantine: str = "off") -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dht = dht
@@ -141,7 +141,7 @@ class CollaborativeOptimizer:
             averager = DecentralizedAverager(grads, node, f"{run}_grad", target_group_size=max_group_size,
                                              min_group_size=2, min_matchmaking_time=min_matchmaking_time,
                                              allreduce_timeout=averaging_timeout, compression=compression,
-                                             bandwidth=bandwidth)
+                                             bandwidth=bandwidth, byzantine=byzantine)
             layout = ProgressLayout(run, capacity=swarm_size)
             tracker = ProgressTracker(node, run, target_batch_size, signer, layout=layout, fresh_for=fresh_for,
                                       expiration=max(30.0, 6 * fresh_for), refresh_interval=view_interval,

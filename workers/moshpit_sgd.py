@@ -22,7 +22,8 @@ class MoshpitSGD:
     def __init__(self, optimizer: torch.optim.Optimizer, dht: DHT, run: str, *, grid: Sequence[int],
                  averaging_period: int = 10, min_matchmaking_time: float = 0.5, request_timeout: float = 1.0,
                  averaging_timeout: float = 30.0, compression: str | Codec = Codec.NONE,
-                 max_group_size: int | None = None, bandwidth: float | None = None, swarm_size: int = 16) -> None:
+                 max_group_size: int | None = None, bandwidth: float | None = None, swarm_size: int = 16,
+                 byzantine: str = "off") -> None:
         self.optimizer = optimizer
         self.dht = dht
         self.averaging_period = averaging_period
@@ -45,7 +46,7 @@ class MoshpitSGD:
             averager = MoshpitAverager(copies, node, f"{run}_params", grid=grid, target_group_size=target_group_size,
                                        min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                                        allreduce_timeout=averaging_timeout, compression=compression,
-                                       bandwidth=bandwidth)
+                                       bandwidth=bandwidth, byzantine=byzantine)
             # progress is published as in collaborative runs, for start-up and for the orchestrator; with
             # no background view, a peer of a run over 16 peers reads its own leaf's rounds only (its
             # leaf mates are a random sample of the swarm: they join the swarm's round as well)

@@ -110,20 +110,21 @@ class TrainingPeer:
                 self._local_optimizer, self.dht, config.run,
                 round_samples(config.inner_steps, self.task.batch_size, config.round_peers), scheduler=self._scheduler,
                 outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, overlap=config.overlap,
-                compression=config.compression,
+                compression=config.compression, byzantine=config.byzantine,
                 min_matchmaking_time=config.min_matchmaking_time, averaging_timeout=config.averaging_timeout,
                 bandwidth=config.bandwidth, swarm_size=config.swarm_size)
         elif config.mode == "collaborative":
             self.optimizer = CollaborativeOptimizer(
                 self._local_optimizer, self.dht, config.run, config.target_batch_size, scheduler=self._scheduler,
                 compression=config.compression, min_matchmaking_time=config.min_matchmaking_time,
-                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth, swarm_size=config.swarm_size)
+                averaging_timeout=config.averaging_timeout, bandwidth=config.bandwidth, swarm_size=config.swarm_size,
+                byzantine=config.byzantine)
         else:
             self.optimizer = MoshpitSGD(self._local_optimizer, self.dht, config.run, grid=config.moshpit_grid,
                                         averaging_period=config.averaging_period,
                                         averaging_timeout=config.averaging_timeout, compression=config.compression,
                                         max_group_size=config.group_size, bandwidth=config.bandwidth,
-                                        swarm_size=config.swarm_size)
+                                        swarm_size=config.swarm_size, byzantine=config.byzantine)
 
     @property
     def address(self) -> str | None:

@@ -55,6 +55,8 @@ class WorkerConfig(pydantic.BaseModel):
     # "fp16": the old name of "float16", accepted until the next release
     compression: Literal["none", "float16", "bfloat16", "uniform8", "blockwise8", "fp16"] = pydantic.Field(
         "none", description="gradient codec")
+    byzantine: Literal["off", "clip", "verify"] = pydantic.Field(
+        "off", description="how far averaging trusts its reducers: off, clip (CenteredClip), verify (clip and audits)")
     min_matchmaking_time: float = pydantic.Field(2.0, gt=0, description="seconds to gather an averaging group")
     averaging_timeout: float = pydantic.Field(30.0, gt=0, description="seconds an averaging round may take")
     bandwidth: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,

@@ -256,6 +256,9 @@ class TrainingConfig(_Strict):
     grid: list[int] = [2, 2]
     # "fp16" is the name "float16" had before the codecs were unified: accepted until the next release
     compression: Literal["none", "float16", "bfloat16", "uniform8", "blockwise8", "fp16"] = "none"
+    # how far reducers are trusted: off (our own fleet), clip (CenteredClip per chunk), verify (clip, and
+    # every reducer audited by the others; a reducer caught is banned): averaging/robust.py, docs/security.md
+    byzantine: Literal["off", "clip", "verify"] = "off"
     averaging_timeout_s: float = pydantic.Field(30.0, gt=0)
     min_matchmaking_time_s: float = pydantic.Field(2.0, gt=0)
     param_digests: bool = False  # every worker records a digest of its parameters per epoch (an audit)
@@ -492,7 +495,7 @@ class ClusterConfig(_Strict):
                             moshpit_grid=t.grid, group_size=t.group_size, device=t.device,
                             swarm_size=self.max_trainers(), inner_steps=t.inner_steps, outer_lr=t.outer_lr,
                             outer_momentum=t.outer_momentum, overlap=t.overlap, round_peers=self.min_trainers(),
-                            param_digests=t.param_digests, **extra)
+                            param_digests=t.param_digests, byzantine=t.byzantine, **extra)
 
     def expert_host_config(self, initial_peers: list[str], node_type: str | None = None,
                            **extra: Any) -> dict[str, Any]:
