@@ -48,6 +48,18 @@ from p2p import P2P, P2PError, PeerID
 from p2p.codecs import BadChunk, Codec, decode_into, encode
 from p2p.waiting import wait_event
 
+from .audit import (
+    Commitment,
+    Secret,
+    check_input,
+    chosen_chunk,
+    close_enough,
+    fetch_all,
+    input_statement,
+    payload_digest,
+    seed_of,
+    values_digest,
+)
 from .partition import MIN_CHUNK, Chunk, FlatTensors, chunk_size_problem, describe_mismatch, part_bounds
 from .reduction import DEFAULT_NORM_RATIO, Reducer, all_finite
 from .robust import Byzantine
@@ -140,6 +152,8 @@ class AllReduceOutcome:
     unaveraged: set[int] = field(default_factory=set)
     bytes_sent: int = 0
     bytes_received: int = 0
+    # reducers an audit caught (byzantine="verify"), with the evidence; their parts are reverted
+    caught: dict[int, str] = field(default_factory=dict)
 
 
 def capped_window(window: int, chunk_size: int) -> int:
@@ -159,11 +173,12 @@ class AllReduceRound:
                  codec: Codec, chunk_size: int, sender_timeout: float, window: int, *,
                  max_weight: float = DEFAULT_MAX_WEIGHT, norm_ratio: float | None = DEFAULT_NORM_RATIO,
                  max_weight_ratio: float | None = None, byzantine: Byzantine = Byzantine.OFF,
-                 finite: bool | None = None) -> None:
+                 finite: bool | None = None, snapshot: torch.Tensor | None = None) -> None:
         """``finite``: whether ``flat`` holds only finite values, where the caller already looked (the
         averager does, while matchmaking waits on the network); None: this round looks, before any byte
         is sent.  ``max_weight_ratio``: a member weighs at most this many times the group's median
-        (None: no such cap); ``byzantine``: how reducers aggregate (``robust.Byzantine``)."""
+        (None: no such cap); ``byzantine``: how reducers aggregate (``robust.Byzantine``); ``snapshot``: a
+        buffer of ``flat``'s size that a verified round copies our values into (None: a new one)."""
         self.byzantine = Byzantine(byzantine)
         self.p2p = p2p
         self.method = method
@@ -174,7 +189,8 @@ class AllReduceRound:
         self.codec = codec
         self.chunk_size = chunk_size
         self.sender_timeout = sender_timeout
-        self.window = capped_window(window, chunk_size)
+        # a verified group's chunks are small (audits move whole chunks): as many bytes in flight as others
+        self.window = capped_window(window if byzantine is not Byzantine.VERIFY else 1 << 10, chunk_size)
         self.bounds = part_bounds(group.part_sizes)
         self.outcome = AllReduceOutcome()
         me = group.my_index
@@ -191,14 +207,26 @@ class AllReduceRound:
         if self.nonfinite:
             logger.warning("local tensors hold non-finite values: this peer is excluded from the average")
             self.weight = weight = 0.0
-        self.weights = capped_weights(group.weights, set(self.outcome.failed), max_weight_ratio)
+        self.weight_refused = set(self.outcome.failed)
+        self.weights = capped_weights(group.weights, self.weight_refused, max_weight_ratio)
         if not self.nonfinite:
             self.weight = weight = min(weight, self.weights[me])
         start, end = self.bounds[me]
         senders = {j: (0.0 if j in self.outcome.failed else self.weights[j]) for j in range(group.size) if j != me}
+        self.norm_ratio = norm_ratio
         self.reducer = Reducer(flat, self._chunks(me), senders, weight, dict(self.outcome.failed), sender_timeout,
                                 norm_ratio, self.byzantine) if end > start else None
-
+        # byzantine="verify": our chunks as we sent them (a caught reducer's part goes back to them), the
+        # commitments that came with each averaged chunk, our share of the audit's randomness
+        self.verifying = self.byzantine is Byzantine.VERIFY
+        self.sent_copy = None
+        if self.verifying:
+            self.sent_copy = flat.flat.clone() if snapshot is None else snapshot.copy_(flat.flat)
+        self.commitments: dict[tuple[int, int], Commitment | None] = {}
+        self.secret = Secret()
+        self.finished = asyncio.Event()  # run() returned: audits of our part may start
+        self.keys: dict[int, bytes] = {}  # senders' public keys, from their calls
+        self.commits: dict[int, bytes] = {}  # members' audit commits, as they came with the round's calls
     def _chunks(self, part: int) -> list[Chunk]:
         start, end = self.bounds[part]
         return self.flat.chunks(start, end, self.chunk_size, self.codec)
@@ -234,6 +262,7 @@ class AllReduceRound:
             await self._sent(deadline)
             for s, why in self.reducer.failed.items():
                 self._drop(s, f"part {self.group.my_index}: {why}")
+        self.finished.set()
         return self.outcome
 
     def _release_part(self, reason: str) -> None:
@@ -290,13 +319,17 @@ class AllReduceRound:
             call = await self.p2p.open(address, self.method, timeout=timeout, first=self._header())
             async with call:
                 window = asyncio.Semaphore(self.window)
-                sender = asyncio.ensure_future(self._send_chunks(call, chunks, window))
+                sender = asyncio.ensure_future(self._send_chunks(call, j, chunks, window))
                 try:
                     for chunk in chunks:
                         payload = await call.recv()
                         window.release()
                         # checked before it is written: a refused chunk leaves our values in place
                         decode_into(payload, self.flat.flat[chunk.start:chunk.end])
+                        if self.verifying:
+                            self.commitments[j, received] = Commitment.from_wire(payload.get("m"))
+                            if received == 0 and isinstance(payload.get("h"), bytes):
+                                self.commits[j] = payload["h"]
                         self.outcome.bytes_received += _payload_bytes(payload)
                         self._note_reported(j, payload.get("x"))
                         received += 1
@@ -326,25 +359,33 @@ class AllReduceRound:
                 self._drop(item[0], f"part {j}: {item[1][:_MAX_REASON]}")
 
     def _header(self) -> dict:
-        return {"g": self.group.group_id, "i": self.group.my_index, "w": self.declared_weight,
-                "schema": self.flat.schema, "nonfinite": self.nonfinite, "z": self.byzantine.value}
+        header = {"g": self.group.group_id, "i": self.group.my_index, "w": self.declared_weight,
+                  "schema": self.flat.schema, "nonfinite": self.nonfinite, "z": self.byzantine.value}
+        if self.verifying:
+            header["k"] = self.p2p.identity.public_key
+            header["h"] = self.secret.commit  # our audit commit: every member we call or who calls us has it
+        return header
 
     def _outgoing(self, chunk: Chunk) -> dict:
         """The payload that carries our values of ``chunk``."""
         # a view, not a copy: the send returns once the kernel holds the bytes (p2p's contract)
         return encode(chunk.codec, self.flat.flat[chunk.start:chunk.end])
 
-    async def _send_chunks(self, call: Any, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
+    async def _send_chunks(self, call: Any, part: int, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
         for c, chunk in enumerate(chunks):
             await window.acquire()  # released when an averaged chunk comes back
             payload = self._outgoing(chunk)
+            if self.verifying:  # our word for what we sent: the reducer shows it to auditors
+                statement = input_statement(self.group.group_id, part, c, payload_digest(payload))
+                payload = {**payload, "sig": self.p2p.identity.sign(statement)}
             await call.send(payload, end=c == len(chunks) - 1)  # the last one also ends our stream
             self.outcome.bytes_sent += _payload_bytes(payload)
         await call.done_writing()  # (only if there was no chunk)
 
     # ---- reducing side (one sender) ------------------------------------------------------------
     async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False,
-                    disconnect: Callable[[str], None] | None = None, byzantine: Any = Byzantine.OFF.value) -> Any:
+                    disconnect: Callable[[str], None] | None = None, byzantine: Any = Byzantine.OFF.value,
+                    public_key: Any = None, commit: Any = None) -> Any:
         """Async generator run by the P2P handler for one sender of our part.
 
         A sender dropped for what it declared or sent is still served the average of the others.
@@ -367,6 +408,10 @@ class AllReduceRound:
         if byzantine != self.byzantine.value:
             reducer.fail(sender, f"it averages with byzantine={str(byzantine)[:16]}, this group with "
                                  f"{self.byzantine.value}")
+        if self.verifying and isinstance(public_key, bytes):
+            self.keys[sender] = public_key
+        if self.verifying and isinstance(commit, bytes):
+            self.commits[sender] = commit
         consumer = asyncio.ensure_future(self._consume(sender, requests))
         try:
             for c in range(len(reducer.chunks)):
@@ -374,6 +419,11 @@ class AllReduceRound:
                 # the shared future down with it; the other senders still wait on it
                 await asyncio.shield(reducer.done[c])
                 payload = reducer.take(c)
+                commitment = reducer.commitments[c]
+                if commitment is not None:
+                    payload = {**payload, "m": commitment.to_wire()}
+                    if c == 0:
+                        payload["h"] = self.secret.commit
                 if reducer.failed:
                     payload = {**payload, "x": [[s, why] for s, why in sorted(reducer.failed.items())]}
                 self.outcome.bytes_sent += _payload_bytes(payload)
@@ -398,7 +448,10 @@ class AllReduceRound:
                 if c >= len(reducer.chunks):
                     raise ValueError("sender sent more chunks than the part has")
                 try:
-                    reducer.add(sender, c, payload)
+                    if self.verifying:
+                        self._add_signed(sender, c, payload)
+                    else:
+                        reducer.add(sender, c, payload)
                 except BadChunk as e:  # dropped, but still read: its stream must not stall on us
                     reducer.fail(sender, f"chunk {c}: {e}")
                 if isinstance(payload, dict):
@@ -408,3 +461,150 @@ class AllReduceRound:
                 reducer.fail(sender, f"stream ended after {c}/{len(reducer.chunks)} chunks")
         except (P2PError, ValueError, KeyError, TypeError, RuntimeError) as e:
             reducer.fail(sender, f"{type(e).__name__}: {e}")
+
+    def _add_signed(self, sender: int, c: int, payload: Any) -> None:
+        """A sender's chunk in a verified group: taken only with a signature that holds, so that we can
+        show auditors our senders' word for every input."""
+        assert self.reducer is not None
+        if not isinstance(payload, dict):
+            raise BadChunk("chunk payload must be a dict")
+        signature = payload.pop("sig", None)
+        problem = check_input(self.group.group_id, self.group.my_index, c, payload, signature,
+                              self.keys.get(sender), self.group.peer_ids[sender])
+        if problem is not None:
+            self.reducer.fail(sender, problem)
+            return
+        self.reducer.add(sender, c, payload, signature)
+
+    # ---- audits (byzantine="verify"; audit.py) ---------------------------------------------------
+    def _audited_members(self) -> dict[int, str]:
+        me = self.group.my_index
+        return {i: a for i, a in enumerate(self.group.addresses) if i != me and a is not None}
+
+    async def audit(self, method: str, timeout: float) -> None:
+        """After the round: draw the seed with the others, then recompute one chunk of every part we got
+        back.  A reducer caught is named in ``outcome.caught`` and its part reverted to our own values."""
+        members = self._audited_members()
+        missing = {i: a for i, a in members.items() if i not in self.commits}  # (a member we never exchanged with)
+        fetched = await fetch_all(self.p2p, method, missing, {"g": self.group.group_id, "q": "commit"}, timeout)
+        for i, answer in fetched.items():
+            if isinstance(answer, dict) and isinstance(answer.get("h"), bytes):
+                self.commits[i] = answer["h"]
+        self.secret.committed.set()
+        reveals = await fetch_all(self.p2p, method, {i: a for i, a in members.items() if i in self.commits},
+                                  {"g": self.group.group_id, "q": "reveal"}, timeout)
+        secrets = {self.group.my_index: self.secret.value}
+        for i, answer in reveals.items():
+            value = answer.get("r") if isinstance(answer, dict) else None
+            if isinstance(value, bytes) and self.commits.get(i) == Secret(value).commit:
+                secrets[i] = value
+        seed = seed_of(self.group.group_id, secrets)
+        parts = [j for j in range(self.group.size) if j != self.group.my_index and j not in self.outcome.unaveraged
+                 and self.bounds[j][1] > self.bounds[j][0] and j not in self.outcome.failed]
+        verdicts = await asyncio.gather(*(self._audit_part(method, j, chosen_chunk(seed, j, len(self._chunks(j))),
+                                                           timeout) for j in parts))
+        for j, evidence in zip(parts, verdicts, strict=True):
+            if evidence is not None:
+                self._convict(j, evidence)
+
+    def _convict(self, j: int, evidence: str) -> None:
+        logger.warning("reducer %d (%s) caught by its audit: %s", j, self.group.peer_ids[j], evidence)
+        self.outcome.caught[j] = evidence
+        self.outcome.failed[j] = f"part {j}: caught by its audit: {evidence}"
+        start, end = self.bounds[j]
+        assert self.sent_copy is not None
+        self.flat.flat[start:end].copy_(self.sent_copy[start:end])
+        self.outcome.unaveraged.add(j)
+
+    async def _audit_part(self, method: str, j: int, c: int, timeout: float) -> str | None:
+        """Why reducer j's chunk c is not the average of its inputs (evidence), or None if it is."""
+        address = self.group.addresses[j]
+        assert address is not None
+        commitment = self.commitments.get((j, c))
+        if commitment is None:
+            return f"chunk {c} came without the commitment to its own values, weight and drops"
+        try:
+            answer = await self.p2p.call(address, method, {"g": self.group.group_id, "q": "inputs", "c": c},
+                                         timeout=timeout)
+        except (P2PError, ValueError, OSError) as e:
+            return f"did not show the inputs of chunk {c}: {e}"
+        try:
+            return self._recompute(j, c, commitment, answer)
+        except (KeyError, TypeError, ValueError, AttributeError, BadChunk) as e:
+            return f"chunk {c}: malformed inputs: {type(e).__name__}: {str(e)[:_MAX_REASON]}"
+
+    def _recompute(self, j: int, c: int, commitment: Commitment, answer: Any) -> str | None:
+        """Run reducer j's code on the inputs it shows for chunk c; the evidence if they do not give what
+        it served us."""
+        chunk = self._chunks(j)[c]
+        n = chunk.end - chunk.start
+        own = answer["own"]
+        if not isinstance(own, torch.Tensor) or own.dtype != torch.float32 or own.shape != (n,):
+            return f"chunk {c}: its own values are not {n} float32 numbers"
+        if values_digest(own) != commitment.own_digest:
+            return f"chunk {c}: its own values are not those it committed to"
+        fair = 0.0 if j in self.weight_refused else self.weights[j]
+        if commitment.own_weight not in (0.0, fair):
+            return f"chunk {c}: it weighed its own values {commitment.own_weight:g}, not {fair:g}"
+        before = {int(s): str(why)[:_MAX_REASON] for s, why in answer["before"]}
+        shown = {int(s): (p, sig, key) for s, p, sig, key in answer["in"]}
+        senders = {k: (0.0 if k in self.weight_refused else self.weights[k]) for k in range(self.group.size) if k != j}
+        excluded = {k: "weight" for k in self.weight_refused if k != j}
+        for s, why in before.items():
+            if s in senders:
+                excluded.setdefault(s, why)
+        flat = FlatTensors([own.clone()])
+        reducer = Reducer(flat, [Chunk(0, n, chunk.codec)], senders, commitment.own_weight, excluded,
+                          float("inf"), self.norm_ratio, self.byzantine)
+        for s in sorted(senders):
+            if s in excluded:
+                continue
+            if s not in shown:
+                return f"chunk {c}: it does not show member {s}'s input, nor says why it dropped it"
+            payload, signature, key = shown[s]
+            problem = check_input(self.group.group_id, j, c, payload, signature, key, self.group.peer_ids[s])
+            if problem is not None:
+                return f"chunk {c}: member {s}'s input as shown: {problem}"
+            try:
+                reducer.add(s, 0, payload)
+            except BadChunk as e:
+                reducer.fail(s, f"chunk {c}: {e}")
+        if not reducer.done[0].done():
+            return f"chunk {c}: its inputs do not complete the chunk"
+        dropped = sorted(reducer.failed)
+        if dropped != sorted(commitment.failed):
+            return f"chunk {c}: it dropped members {commitment.failed}, its inputs drop {dropped}"
+        received = self.flat.flat[chunk.start:chunk.end]
+        if not close_enough(flat.flat, received):
+            gap = float((flat.flat.double() - received.double()).norm())
+            return (f"chunk {c}: the average it served is {gap:.3g} (L2) away from the average of the inputs "
+                    f"it shows")
+        return None
+
+    async def answer_audit(self, request: dict, caller: PeerID, timeout: float) -> dict:
+        """A member's audit request about this round: our commit, our secret, or our part's inputs."""
+        me = self.group.my_index
+        if caller not in self.group.peer_ids or caller == self.group.peer_ids[me]:
+            raise PermissionError("only the group's members audit it")
+        query = request.get("q")
+        if not await wait_event(self.finished, timeout):
+            raise ValueError("this round has not ended")
+        if query == "commit":
+            return {"h": self.secret.commit}
+        if query == "reveal":  # only once we hold the others' commits: nobody picks its secret after ours
+            if not await wait_event(self.secret.committed, timeout):
+                raise ValueError("this member has not collected the commits yet")
+            return {"r": self.secret.value}
+        if query != "inputs":
+            raise ValueError(f"unknown audit query {str(query)[:20]!r}")
+        c = request.get("c")
+        reducer = self.reducer
+        if reducer is None or type(c) is not int or not 0 <= c < len(reducer.chunks):
+            raise ValueError("no such chunk of our part")
+        own = reducer.own_inputs[c]
+        if own is None:
+            raise ValueError(f"chunk {c} of our part was not averaged")
+        before = reducer.before[c]
+        shown = [[s, payload, signature, self.keys.get(s)] for s, (payload, signature) in sorted(reducer.kept[c].items())
+                 if s not in before]
+        return {"own": own, "before": [[s, why[:_MAX_REASON]] for s, why in sorted(before.items())], "in": shown}

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from p2p.codecs import Codec
 from p2p.node import CallContext
 
 from .allreduce import DEFAULT_MAX_WEIGHT, AllReduceRound, GroupInfo, weight_problem
+from .audit import AUDIT_CHUNK
 from .bandwidth import BandwidthMeter, ProbeSink, probe
 from .matchmaking import Matchmaker, Planned
 from .partition import FlatTensors, chunk_size_problem
@@ -34,6 +36,8 @@ from .robust import Byzantine
 
 logger = logging.getLogger(__name__)
 OUTCOMES_KEPT = 64  # recent rounds whose outcome a member can still ask us about
+AUDITS_KEPT = 8  # recent verified rounds whose members may still audit our part
+DEFAULT_BAN_S = 600.0  # how long a reducer caught by an audit is kept out of our groups
 
 
 @dataclass
@@ -56,6 +60,8 @@ class StepResult:
     # parts (by reducer index) whose average did not all come back: our tensors keep local values there
     unaveraged_parts: list[int] = field(default_factory=list)
     group: GroupInfo | None = field(default=None, repr=False)  # the group as formed (None: no group)
+    # byzantine="verify": reducers our audit caught, with the evidence (also in excluded); banned since
+    caught: dict[PeerID, str] = field(default_factory=dict)
 
     @property
     def averaged(self) -> bool:
@@ -96,7 +102,7 @@ class DecentralizedAverager:
                  bandwidth: float | None = None, poll_interval: float = 0.05, max_weight: float = DEFAULT_MAX_WEIGHT,
                  norm_ratio: float | None = DEFAULT_NORM_RATIO,
                  max_weight_ratio: float | None = None,
-                 byzantine: str | Byzantine = Byzantine.OFF) -> None:
+                 byzantine: str | Byzantine = Byzantine.OFF, ban_s: float = DEFAULT_BAN_S) -> None:
         if "." in prefix or not prefix:
             raise ValueError(f"prefix must be a non-empty name without dots, got {prefix!r}")
         if not 0 < max_weight < float("inf"):
@@ -116,6 +122,10 @@ class DecentralizedAverager:
         self.max_weight = float(max_weight)
         self.max_weight_ratio = max_weight_ratio
         self._weight_ratio = max_weight_ratio  # this step's (step's weight_ratio_scale)
+        if not 0 <= ban_s < float("inf"):
+            raise ValueError(f"ban_s must be a finite number of seconds >= 0, got {ban_s!r}")
+        self.ban_s = ban_s
+        self.banned: dict[PeerID, float] = {}  # caught reducers -> until when (monotonic) they are kept out
         self.norm_ratio = norm_ratio
         self.node = node
         self.prefix = prefix
@@ -140,7 +150,9 @@ class DecentralizedAverager:
                                      target_group_size=target_group_size, min_group_size=min_group_size,
                                      min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
                                      bandwidth=self.meter.estimate if self.meter is not None else bandwidth,
-                                     poll_interval=poll_interval, chunk_size=chunk_size)
+                                     poll_interval=poll_interval, chunk_size=chunk_size,
+                                     max_chunk_size=AUDIT_CHUNK if self.byzantine is Byzantine.VERIFY else None,
+                                     banned=self.banned)
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
         self._lock = asyncio.Lock()
@@ -156,6 +168,11 @@ class DecentralizedAverager:
         self._outcome_known = asyncio.Condition()
         self.outcome_method = f"avg.outcome.{prefix}"
         node.p2p.register(self.outcome_method, self._rpc_outcome)
+        self.audit_method = f"avg.audit.{prefix}"
+        self._audits: OrderedDict[bytes, AllReduceRound] = OrderedDict()
+        self._sent: torch.Tensor | None = None  # see _snapshot
+        if self.byzantine is Byzantine.VERIFY:
+            node.p2p.register(self.audit_method, self._rpc_audit)
 
     @property
     def bandwidth(self) -> float:
@@ -278,19 +295,27 @@ class DecentralizedAverager:
                 self.phase = "all-reduce"
                 weight = copy.weights[copy.my_index]
                 return await self._run_round(copy, weight, Codec.NONE, loop.time() + timeout, timeout,
-                                             None if group.my_index != source else not failed)
+                                             None if group.my_index != source else not failed,
+                                             byzantine=Byzantine.OFF)  # a copy: nothing to clip or audit
             finally:
                 self.phase = "idle"
 
     async def _run_round(self, group: GroupInfo, weight: float, codec: Codec, deadline: float,
-                         sender_timeout: float, finite: bool | None) -> StepResult:
-        """One butterfly round with a formed group; the result says what came back."""
+                         sender_timeout: float, finite: bool | None, byzantine: Byzantine | None = None) -> StepResult:
+        """One butterfly round with a formed group (audited where the group verifies); the result says
+        what came back."""
         loop = asyncio.get_running_loop()
         started = loop.time()
+        byzantine = self.byzantine if byzantine is None else byzantine
         round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, codec,
                                   group.chunk_size, sender_timeout, self.window,
                                   max_weight=self.max_weight, norm_ratio=self.norm_ratio,
-                                  max_weight_ratio=self._weight_ratio, byzantine=self.byzantine, finite=finite)
+                                  max_weight_ratio=self._weight_ratio, byzantine=byzantine, finite=finite,
+                                  snapshot=self._snapshot() if byzantine is Byzantine.VERIFY else None)
+        if round_.verifying:
+            self._audits[group.group_id] = round_
+            while len(self._audits) > AUDITS_KEPT:
+                self._audits.popitem(last=False)
         future = self._rounds.setdefault(group.group_id, loop.create_future())
         if not future.done():
             future.set_result(round_)
@@ -303,6 +328,10 @@ class DecentralizedAverager:
             if watching is not None:
                 watching.cancel()
                 await asyncio.gather(watching, return_exceptions=True)
+        if round_.verifying:
+            await round_.audit(self.audit_method, min(self.request_timeout, max(deadline - loop.time(), 1e-3)))
+            for j in outcome.caught:
+                self.banned[group.peer_ids[j]] = time.monotonic() + self.ban_s
         await self._record_outcome(group, not outcome.unaveraged)
         return StepResult(
             group_size=group.size,
@@ -312,7 +341,8 @@ class DecentralizedAverager:
             allreduce_time=loop.time() - started,
             group_id=group.group_id.hex(), my_index=group.my_index,
             group_peers=list(group.peer_ids), part_sizes=list(group.part_sizes),
-            unaveraged_parts=sorted(outcome.unaveraged), group=group)
+            unaveraged_parts=sorted(outcome.unaveraged), group=group,
+            caught={group.peer_ids[j]: why for j, why in sorted(outcome.caught.items())})
 
     async def _matchmake(self, group_key: str, deadline: float, target_group_size: int | None,
                          abort: asyncio.Event | None, weight: float, min_group_size: int | None,
@@ -351,8 +381,23 @@ class DecentralizedAverager:
             raise PermissionError("sender index does not match the caller's identity")
         async for payload in round_.serve(index, first.get("w"), first.get("schema"), requests,
                                           bool(first.get("nonfinite")), ctx.disconnect,
-                                          first.get("z", Byzantine.OFF.value)):
+                                          first.get("z", Byzantine.OFF.value), first.get("k"), first.get("h")):
             yield payload
+
+    def _snapshot(self) -> torch.Tensor:
+        """The buffer a verified round copies our values into, reused from round to round."""
+        if self._sent is None:
+            self._sent = torch.empty_like(self.flat.flat)
+        return self._sent
+
+    async def _rpc_audit(self, request: Any, ctx: CallContext) -> dict:
+        """A member's audit of a recent verified round of ours (``audit.py``)."""
+        if not isinstance(request, dict) or not isinstance(request.get("g"), bytes):
+            raise ValueError("audit request must be {'g': group id, 'q': query, ...}")
+        round_ = self._audits.get(request["g"])
+        if round_ is None:
+            raise ValueError("no recent verified round of that group here")
+        return await round_.answer_audit(request, ctx.peer_id, self.request_timeout)
 
     # ---- after a round: did the others get its average? -----------------------------------------
     async def _record_outcome(self, group: GroupInfo, complete: bool) -> None:
@@ -408,6 +453,9 @@ class DecentralizedAverager:
         self.node.p2p.unregister(self.method)
         self.node.p2p.unregister(self.probe_method)
         self.node.p2p.unregister(self.outcome_method)
+        if self.byzantine is Byzantine.VERIFY:
+            self.node.p2p.unregister(self.audit_method)
+        self._audits.clear()
         for future in self._rounds.values():
             future.cancel()
         self._rounds.clear()

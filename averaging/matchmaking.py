@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from p2p.waiting import wait_event
 from .allreduce import GroupInfo, claimed_weight
 from .leader_probe import LeaderProbes
 from .load_balancing import claims_within_reason, load_balanced_parts
-from .partition import MIN_CHUNK, auto_chunk_size, describe_mismatch
+from .partition import MAX_CHUNKS, MIN_CHUNK, auto_chunk_size, describe_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class Matchmaker:
     def __init__(self, node: DHTNode, prefix: str, schema: list, schema_hash: str, numel: int, *,
                  target_group_size: int,
                  min_group_size: int, min_matchmaking_time: float, request_timeout: float, bandwidth: float,
-                 poll_interval: float = 0.05, chunk_size: int | None = None) -> None:
+                 poll_interval: float = 0.05, chunk_size: int | None = None, max_chunk_size: int | None = None,
+                 banned: dict[PeerID, float] | None = None) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError(f"need 1 <= min_group_size ({min_group_size}) <= target_group_size ({target_group_size})")
         self.node = node
@@ -115,6 +117,8 @@ class Matchmaker:
         self.declare_bandwidth(bandwidth)
         self.poll_interval = poll_interval
         self.chunk_size = chunk_size  # what groups we lead use; None: chosen from the members' bandwidths
+        self.max_chunk_size = max_chunk_size  # where a group's chunks must stay small (audits move whole chunks)
+        self.banned = banned if banned is not None else {}  # peers kept out of our groups, until (monotonic)
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
         self._replicas = ReplicaSets(node, REPLICAS_REUSED_FOR)
@@ -123,7 +127,15 @@ class Matchmaker:
         self._gone_peers: set[PeerID] = set()  # of the planned members, those that did not answer a ping
         self._gone_units: set[int] = set()  # units of the level below declared gone under this call's key
         self._background: set[asyncio.Task] = set()
+        self._withdrawn: dict[str, float] = {}  # key -> the expiration of our last withdrawal there
         self.p2p.register(self.method, self._rpc_join)
+
+    def _banned_now(self) -> set[PeerID]:
+        """Peers whose ban has not run out (expired bans are forgotten)."""
+        now = time.monotonic()
+        for peer in [p for p, until in self.banned.items() if until <= now]:
+            del self.banned[peer]
+        return set(self.banned)
 
     def declare_bandwidth(self, mbit: float) -> None:
         """What the next declarations say for the load-balancing LP."""
@@ -178,7 +190,9 @@ class Matchmaker:
         self._gone_peers, self._gone_units = set(), set()
         declared_at = self.node.clock.now()  # compared with the others' declarations: the swarm's time
         expiration = declared_at + max(deadline - loop.time(), 0) + 1.0
+        # our last withdrawal under this key must not outlive (and so hide) this declaration
         key = self._dht_key(group_key)
+        expiration = max(expiration, self._withdrawn.get(key, 0.0) + 2e-3)
         declaration = {"a": self.p2p.listen_address_str and str(self.p2p.address), "t": declared_at,
                        "bw": self.bandwidth, "h": self.schema_hash}
         replicas = await self._replicas.of(key)  # where the withdrawal goes too, without a second lookup
@@ -190,7 +204,7 @@ class Matchmaker:
         try:
             while loop.time() < deadline:
                 candidates = await self._candidates(key, myself)
-                leader = _pick_leader(candidates, unreachable)
+                leader = _pick_leader(candidates, unreachable | self._banned_now())
                 if leader is None:
                     await asyncio.sleep(self.poll_interval)
                     continue
@@ -258,6 +272,9 @@ class Matchmaker:
 
     async def _withdraw(self, key: str, expiration: float, replicas: list) -> None:
         """Overwrite our declaration where it was stored (a later expiration wins) so nobody tries to join us."""
+        self._withdrawn[key] = expiration + 1e-3
+        while len(self._withdrawn) > 256:  # keys of past groups (Moshpit's grid keys): the oldest go
+            del self._withdrawn[next(iter(self._withdrawn))]
         try:
             await self.node.store(key, None, expiration + 1e-3, subkey=str(self.me), at=replicas)
         except Exception as e:  # the DHT may be shutting down with us
@@ -322,7 +339,7 @@ class Matchmaker:
                     # waits long for its planned group (seconds, at the top) checks less often
                     settled = now - started >= FULL_LOOKUP_EVERY
                     next_check = now + self.poll_interval * (SETTLED_POLL_FACTOR if settled else 1)
-                    leader = _pick_leader(await self._candidates(key, myself), unreachable)
+                    leader = _pick_leader(await self._candidates(key, myself), unreachable | self._banned_now())
                     if leader is not None and leader.peer_id != self.me:
                         lead.dismiss("another peer leads this group")
                         return None
@@ -347,9 +364,11 @@ class Matchmaker:
         bandwidths = claims_within_reason([m.bandwidth for m in members])
         sizes = load_balanced_parts(self.numel, bandwidths, bounded=True)
         # weights go in as declared: each member refuses out-of-range ones itself, by the same rule
+        chunk_size = self.chunk_size or auto_chunk_size(bandwidths, self.numel)
+        if self.max_chunk_size is not None:
+            chunk_size = max(min(chunk_size, self.max_chunk_size), -(-self.numel // MAX_CHUNKS))
         group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes,
-                          [m.weight for m in members], 0,
-                          chunk_size=self.chunk_size or auto_chunk_size(bandwidths, self.numel))
+                          [m.weight for m in members], 0, chunk_size=chunk_size)
         wire = group.to_wire()
         for f in followers:
             fut = lead.replies.get(f.peer_id)
@@ -368,6 +387,8 @@ class Matchmaker:
             return {"ok": False, "error": describe_mismatch(self.schema, request.get("schema") or [])}
         if len(lead.followers) + 1 >= self._target or ctx.peer_id in lead.replies:
             return {"ok": False, "why": "group is full"}
+        if ctx.peer_id in self._banned_now():
+            return {"ok": False, "why": "banned from this peer's groups: caught by an audit"}
         bandwidth = request.get("bw")
         address = request.get("a") if not ctx.remote_client_mode else None
         unit = request.get("u")

@@ -27,6 +27,7 @@ import torch
 
 from p2p.codecs import FLOAT32_MAX, Codec, decode, decode_into, encode, norm
 
+from .audit import Commitment, values_digest
 from .partition import Chunk, FlatTensors
 from .robust import Byzantine, clip_coefficients, squared_distances
 
@@ -79,6 +80,12 @@ class Reducer:
         self.idle.set()
         self.served = [0] * len(chunks)  # senders that were sent averaged chunk c
         self.progress: dict[int, float] = {s: time.monotonic() for s in self.expected}
+        # byzantine="verify": what went into each chunk, for members that audit it (``audit.py``)
+        self.keeps = byzantine is Byzantine.VERIFY
+        self.kept: list[dict[int, tuple[dict, bytes]]] = [{} for _ in chunks]  # sender -> (payload, signature)
+        self.own_inputs: list[torch.Tensor | None] = [None] * len(chunks)
+        self.before: list[dict[int, str]] = [{} for _ in chunks]  # senders dropped before the chunk completed
+        self.commitments: list[Commitment | None] = [None] * len(chunks)
         if self.own_weight == 0:  # our values (maybe not finite) must not enter the running mean
             for chunk in chunks:
                 flat.flat[chunk.start:chunk.end].zero_()
@@ -90,12 +97,15 @@ class Reducer:
         self.connected.add(sender)
         self.progress[sender] = time.monotonic()
 
-    def add(self, sender: int, c: int, payload: Any) -> None:
-        """Take sender's chunk c; raises BadChunk (the caller drops the sender) if it is refused."""
+    def add(self, sender: int, c: int, payload: Any, signature: bytes = b"") -> None:
+        """Take sender's chunk c; raises BadChunk (the caller drops the sender) if it is refused.
+        ``signature``: the sender's over the chunk, kept for audits where the group verifies."""
         if sender in self.failed:
             return
         chunk = self.chunks[c]
         values, magnitude = decode(payload, chunk.end - chunk.start)
+        if self.keeps:
+            self.kept[c][sender] = (payload, signature)
         self.pending[c][sender] = (values, magnitude)
         self.arrived[c].add(sender)
         self.progress[sender] = time.monotonic()
@@ -126,6 +136,9 @@ class Reducer:
                          if s not in self.failed and self.sender_weight[s] > 0}
         self.pending[c] = {}
         view = self.flat.flat[self.chunks[c].start:self.chunks[c].end]
+        if self.keeps:
+            self.before[c] = dict(self.failed)
+            self.own_inputs[c] = view.clone()
         refused = self._screen(c, contributions, view)
         # a fixed order: the result does not depend on arrival times
         admitted = [s for s in sorted(contributions) if s not in refused]
@@ -142,6 +155,10 @@ class Reducer:
         if payload["c"] != Codec.NONE.value:
             decode_into(payload, view)  # keep exactly what the senders will decode
         self.encoded[c] = _owned(payload) if self.detached else payload
+        if self.keeps:
+            own = self.own_inputs[c]
+            assert own is not None
+            self.commitments[c] = Commitment(values_digest(own), self.own_weight, sorted({*self.failed, *refused}))
         self.done[c].set_result(None)
         for s, why in refused.items():
             self.fail(s, why)

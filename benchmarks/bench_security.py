@@ -52,7 +52,7 @@ from p2p.membership import Authority, Membership  # noqa: E402
 HOSTILE = os.path.join(ROOT, "tests", "security", "hostile_client.py")
 RUN = "bench"
 CHILD_LIMIT_S = 120.0
-BYZANTINE_MODES = ("clip",)  # against byzantine=off, all with membership on
+BYZANTINE_MODES = ("verify",)  # against byzantine=off, all with membership on
 
 
 def member(authority: Authority, identity: Identity) -> Membership:

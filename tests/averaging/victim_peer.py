@@ -18,13 +18,13 @@ from p2p.codecs import encode
 def die_after(chunks: int) -> None:
     original = AllReduceRound._send_chunks
 
-    async def send_then_die(self, call, to_send, window):
+    async def send_then_die(self, call, part, to_send, window):
         for sent, chunk in enumerate(to_send):
             if sent == chunks:
                 os.kill(os.getpid(), signal.SIGKILL)  # a real, abrupt death in the middle of the round
             await window.acquire()
             await call.send(encode(chunk.codec, self.flat.flat[chunk.start:chunk.end]))
-        await original(self, call, [], window)
+        await original(self, call, part, [], window)
 
     AllReduceRound._send_chunks = send_then_die
 
