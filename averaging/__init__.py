@@ -11,7 +11,7 @@ from .matchmaking import Planned, ShapeMismatch
 from .robust import Byzantine
 
 __all__ = [
-    "Averager", "Byzantine", "Codec", "DecentralizedAverager", "GroupInfo", "GroupPlan", "GroupedResult", "MoshpitAverager",
-    "Planned", "ShapeMismatch", "StepResult", "average_in_groups", "load_balanced_parts", "optimal_shares",
-    "part_sizes", "quorum_of",
+    "Averager", "Byzantine", "Codec", "DecentralizedAverager", "GroupInfo", "GroupPlan", "GroupedResult",
+    "MoshpitAverager", "Planned", "ShapeMismatch", "StepResult", "average_in_groups", "load_balanced_parts",
+    "optimal_shares", "part_sizes", "quorum_of",
 ]

@@ -605,6 +605,6 @@ class AllReduceRound:
         if own is None:
             raise ValueError(f"chunk {c} of our part was not averaged")
         before = reducer.before[c]
-        shown = [[s, payload, signature, self.keys.get(s)] for s, (payload, signature) in sorted(reducer.kept[c].items())
-                 if s not in before]
+        shown = [[s, payload, signature, self.keys.get(s)]
+                 for s, (payload, signature) in sorted(reducer.kept[c].items()) if s not in before]
         return {"own": own, "before": [[s, why[:_MAX_REASON]] for s, why in sorted(before.items())], "in": shown}

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 OUTCOMES_KEPT = 64  # recent rounds whose outcome a member can still ask us about
 AUDITS_KEPT = 8  # recent verified rounds whose members may still audit our part
 DEFAULT_BAN_S = 600.0  # how long a reducer caught by an audit is kept out of our groups
+BANS_LOGGED = 32
 
 
 @dataclass
@@ -126,6 +127,8 @@ class DecentralizedAverager:
             raise ValueError(f"ban_s must be a finite number of seconds >= 0, got {ban_s!r}")
         self.ban_s = ban_s
         self.banned: dict[PeerID, float] = {}  # caught reducers -> until when (monotonic) they are kept out
+        # the bans this averager decided, newest last: {"peer", "evidence", "at" (wall time)}, for reports
+        self.ban_log: deque[dict] = deque(maxlen=BANS_LOGGED)
         self.norm_ratio = norm_ratio
         self.node = node
         self.prefix = prefix
@@ -330,8 +333,10 @@ class DecentralizedAverager:
                 await asyncio.gather(watching, return_exceptions=True)
         if round_.verifying:
             await round_.audit(self.audit_method, min(self.request_timeout, max(deadline - loop.time(), 1e-3)))
-            for j in outcome.caught:
+            for j, evidence in outcome.caught.items():
                 self.banned[group.peer_ids[j]] = time.monotonic() + self.ban_s
+                self.ban_log.append({"peer": str(group.peer_ids[j]), "evidence": evidence[:500], "at": time.time(),
+                                     "group": group.group_id.hex()})
         await self._record_outcome(group, not outcome.unaveraged)
         return StepResult(
             group_size=group.size,

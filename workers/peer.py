@@ -265,8 +265,12 @@ class TrainingPeer:
         seconds spent averaging or downloading state instead of computing, and seconds since it
         started training (from any thread; ``totals``: those two seconds as ``_time_totals`` read them)."""
         busy, comm = self._time_totals() if totals is None else totals
-        return {"samples_total": self._samples_total, "bytes_sent": self.dht.node.p2p.traffic.total().bytes_out,
-                "comm_s": round(comm, 4), "busy_s": round(busy, 3)}
+        out = {"samples_total": self._samples_total, "bytes_sent": self.dht.node.p2p.traffic.total().bytes_out,
+               "comm_s": round(comm, 4), "busy_s": round(busy, 3)}
+        averager = getattr(self.optimizer, "averager", None)
+        if averager is not None and averager.ban_log:  # members this peer's audits caught (byzantine=verify)
+            out["bans"] = list(averager.ban_log)
+        return out
 
     def _time_totals(self) -> tuple[float, float]:
         """Seconds since training began, and seconds of them spent averaging or downloading state,

@@ -95,6 +95,7 @@ class SupervisorCore:
         self._log = log_to_file(log_path(run_dir, SUPERVISOR_LOG))  # the run's own log, not Ray's session's
         self.store = RunStore(run_dir)
         self._rounds_stored: dict[str, int] = {}  # instance id -> its newest epoch in ``rounds``
+        self._bans_stored: set[tuple[str, str, str]] = set()  # (reporter, banned peer, group): events stored
         last = self.store.last_time()
         scale = config.provider.time_scale if config.provider.type == "local" else 1.0
         self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
@@ -370,6 +371,23 @@ class SupervisorCore:
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("instance %s reported costs that do not parse (%s): %r", instance_id, e, c)
             self._record_rounds(instance_id, c.get("rounds") if isinstance(c, dict) else None)
+            self._record_bans(instance_id, c.get("bans") if isinstance(c, dict) else None)
+
+    def _record_bans(self, instance_id: str, reported: Any) -> None:
+        """A trainer's audit caught a member (``byzantine: verify``): one ``member_banned`` event per ban,
+        naming the member's instance where the fleet knows its peer id, and the evidence."""
+        if not isinstance(reported, list):
+            return
+        by_peer = {i.tags["peer_id"]: i.id for i in list(self.policy.live.values()) if i.tags.get("peer_id")}
+        for ban in reported[:64]:
+            if not isinstance(ban, dict) or not isinstance(ban.get("peer"), str):
+                continue
+            key = (instance_id, ban["peer"], str(ban.get("group")))
+            if key in self._bans_stored:
+                continue
+            self._bans_stored.add(key)
+            self.store.event("member_banned", by_peer.get(ban["peer"]), {
+                "peer": ban["peer"][:80], "by": instance_id, "evidence": str(ban.get("evidence", ""))[:500]})
 
     def _record_rounds(self, instance_id: str, reported: Any) -> None:
         """Store the rounds newer than those stored already: answers to status calls in flight at once

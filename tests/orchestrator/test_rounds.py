@@ -4,6 +4,7 @@ and the store gives per epoch the mean over the trainers that reported it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from functools import partial
@@ -101,9 +102,11 @@ def supervisor_over(store: RunStore, answers: list[dict[str, dict]]) -> SimpleNa
     """``SupervisorCore``'s recording of costs over ``store``, fed by a worker control whose every
     ``take_costs`` hands out the next of ``answers`` (the rest of a supervisor is not needed)."""
     queue = list(answers)
-    core = SimpleNamespace(store=store, _rounds_stored={},
-                           policy=SimpleNamespace(workers=SimpleNamespace(take_costs=lambda: queue.pop(0))))
+    live = {"i2": SimpleNamespace(id="i2", tags={"peer_id": "swrogue"})}
+    core = SimpleNamespace(store=store, _rounds_stored={}, _bans_stored=set(),
+                           policy=SimpleNamespace(workers=SimpleNamespace(take_costs=lambda: queue.pop(0)), live=live))
     core._record_rounds = partial(SupervisorCore._record_rounds, core)
+    core._record_bans = partial(SupervisorCore._record_bans, core)
     core.record_costs = partial(SupervisorCore._record_costs, core)
     return core
 
@@ -135,3 +138,23 @@ def test_parse_rounds_orders_them_and_skips_what_is_not_a_round():
     assert parse_rounds("i0", [{"epoch": 3, "compute_s": 1, "comm_s": 0.5}, "junk",
                                {"epoch": "2", "compute_s": "0.25", "comm_s": 0}]) == \
         [RoundRecord(2, 0.25, 0.0), RoundRecord(3, 1.0, 0.5)]
+
+
+def test_each_ban_a_trainer_reports_is_one_member_banned_event_naming_the_rogues_instance(tmp_path):
+    store = new_store(tmp_path)
+    ban = {"peer": "swrogue", "evidence": "part 3, chunk 0: the average it served is 1e+30 (L2) away", "at": 1.0,
+           "group": "ab"}
+    try:
+        core = supervisor_over(store, [
+            {"i0": {**costs([(1, 2.0, 1.0)]), "bans": [ban]}, "i1": {**costs([(1, 2.0, 1.0)]), "bans": [ban]}},
+            {"i0": {**costs([(2, 2.0, 1.0)]), "bans": [ban, "junk", {"peer": 5}]}},  # the same ban again
+        ])
+        core.record_costs()
+        core.record_costs()
+        events = store.events("member_banned")
+        assert len(events) == 2  # one per reporter, never repeated
+        assert {e[2] for e in events} == {"i2"}  # the instance whose peer was banned
+        details = [json.loads(e[3]) for e in events]
+        assert {d["by"] for d in details} == {"i0", "i1"} and all("1e+30" in d["evidence"] for d in details)
+    finally:
+        store.close()

@@ -21,28 +21,10 @@ import torch
 from averaging import Codec, DecentralizedAverager, StepResult
 from averaging.allreduce import AllReduceRound
 from averaging.partition import Chunk
-from dht import DHTNode
 from p2p.codecs import BLOCK, MalformedChunk, NonFiniteChunk, decode, decode_into, encode, norm
 
 SHAPES = ((3, 5), (300,))
 CHUNK = 64  # several chunks per part: a misbehaving sender is caught in every one of them
-
-
-@pytest.fixture
-async def swarm():
-    """``await swarm(n, client_modes)``: n DHT peers joined through the first; shut down after."""
-    created: list[DHTNode] = []
-
-    async def factory(n: int, client_modes: list[bool] | None = None) -> list[DHTNode]:
-        modes = client_modes or [False] * n
-        first = await DHTNode.create()
-        created.append(first)
-        for mode in modes[1:]:
-            created.append(await DHTNode.create([str(first.address)], client_mode=mode))
-        return list(created)
-
-    yield factory
-    await asyncio.gather(*(node.shutdown() for node in reversed(created)))
 
 
 def data(i: int) -> list[torch.Tensor]:

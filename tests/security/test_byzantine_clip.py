@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from averaging.robust import Byzantine, bound, centered_clip, clip_coefficients, squared_distances
 from averaging.allreduce import AllReduceRound
 from averaging.partition import Chunk
-from tests.security.test_averaging_attacks import CHUNK, Round, declaring, swarm  # noqa: F401
+from averaging.robust import Byzantine, bound, centered_clip, clip_coefficients, squared_distances
+from tests.security.test_averaging_attacks import CHUNK, Round, declaring
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from averaging.allreduce import AllReduceRound
 from averaging.audit import Commitment
-from tests.security.test_averaging_attacks import Round, swarm  # noqa: F401
+from tests.security.test_averaging_attacks import Round
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
