@@ -60,6 +60,7 @@ from .audit import (
     seed_of,
     values_digest,
 )
+from .declarations import Declaration
 from .partition import MIN_CHUNK, Chunk, FlatTensors, chunk_size_problem, describe_mismatch, part_bounds
 from .reduction import DEFAULT_NORM_RATIO, Reducer, all_finite
 from .robust import Byzantine
@@ -113,10 +114,15 @@ class GroupInfo:
     weights: list[float]  # as each member declared it when joining; every member checks them
     my_index: int = 0
     chunk_size: int = MIN_CHUNK  # elements per chunk, the leader's choice: every member cuts alike
+    # where the group does not trust its leader: each member's signed declaration (declarations.py)
+    declarations: list[Declaration | None] | None = None
 
     def to_wire(self) -> dict:
-        return {"g": self.group_id, "p": [p.digest for p in self.peer_ids], "a": self.addresses,
+        wire = {"g": self.group_id, "p": [p.digest for p in self.peer_ids], "a": self.addresses,
                 "s": self.part_sizes, "w": self.weights, "c": self.chunk_size}
+        if self.declarations is not None:
+            wire["j"] = [d.to_wire() if d is not None else None for d in self.declarations]
+        return wire
 
     @classmethod
     def from_wire(cls, raw: Any, me: PeerID, numel: int, default_chunk_size: int = MIN_CHUNK) -> GroupInfo:
@@ -127,6 +133,9 @@ class GroupInfo:
                        [claimed_weight(w) for w in raw["w"]], chunk_size=raw.get("c", default_chunk_size))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed group description: {e}") from None
+        signed = raw.get("j")
+        if isinstance(signed, list):
+            info.declarations = [Declaration.from_wire(d) for d in signed[: len(info.peer_ids)]]
         if any(s < 0 for s in info.part_sizes) or sum(info.part_sizes) != numel:
             raise ValueError(f"malformed group description: part sizes {str(info.part_sizes)[:80]} "
                              f"do not divide our {numel} elements")

@@ -155,7 +155,7 @@ class DecentralizedAverager:
                                      bandwidth=self.meter.estimate if self.meter is not None else bandwidth,
                                      poll_interval=poll_interval, chunk_size=chunk_size,
                                      max_chunk_size=AUDIT_CHUNK if self.byzantine is Byzantine.VERIFY else None,
-                                     banned=self.banned)
+                                     banned=self.banned, signed=self.byzantine.clips, ban=self._ban)
         self.method = f"avg.allreduce.{prefix}"
         self._rounds: dict[bytes, asyncio.Future] = {}
         self._lock = asyncio.Lock()
@@ -334,9 +334,7 @@ class DecentralizedAverager:
         if round_.verifying:
             await round_.audit(self.audit_method, min(self.request_timeout, max(deadline - loop.time(), 1e-3)))
             for j, evidence in outcome.caught.items():
-                self.banned[group.peer_ids[j]] = time.monotonic() + self.ban_s
-                self.ban_log.append({"peer": str(group.peer_ids[j]), "evidence": evidence[:500], "at": time.time(),
-                                     "group": group.group_id.hex()})
+                self._ban(group.peer_ids[j], f"as reducer of part {j}: {evidence}", group.group_id)
         await self._record_outcome(group, not outcome.unaveraged)
         return StepResult(
             group_size=group.size,
@@ -388,6 +386,12 @@ class DecentralizedAverager:
                                           bool(first.get("nonfinite")), ctx.disconnect,
                                           first.get("z", Byzantine.OFF.value), first.get("k"), first.get("h")):
             yield payload
+
+    def _ban(self, peer: PeerID, evidence: str, group_id: bytes = b"") -> None:
+        """Keep a member caught cheating out of our groups for ``ban_s``, and log it for the run's report."""
+        self.banned[peer] = time.monotonic() + self.ban_s
+        self.ban_log.append({"peer": str(peer), "evidence": evidence[:500], "at": time.time(),
+                             "group": group_id.hex()})
 
     def _snapshot(self) -> torch.Tensor:
         """The buffer a verified round copies our values into, reused from round to round."""

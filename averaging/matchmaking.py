@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from p2p.node import CallContext
 from p2p.waiting import wait_event
 
 from .allreduce import GroupInfo, claimed_weight
+from .declarations import Declaration, check_group
 from .leader_probe import LeaderProbes
 from .load_balancing import claims_within_reason, load_balanced_parts
 from .partition import MAX_CHUNKS, MIN_CHUNK, auto_chunk_size, describe_mismatch
@@ -56,6 +58,7 @@ class Candidate:
     schema_hash: str = field(compare=False, default="")
     weight: float = field(compare=False, default=1.0)  # as declared; every member checks it
     unit: int | None = field(compare=False, default=None)  # a follower's unit of the level below, if planned
+    declaration: Declaration | None = field(compare=False, default=None)  # its signed word (signed groups)
 
     @property
     def can_lead(self) -> bool:
@@ -96,7 +99,8 @@ class Matchmaker:
                  target_group_size: int,
                  min_group_size: int, min_matchmaking_time: float, request_timeout: float, bandwidth: float,
                  poll_interval: float = 0.05, chunk_size: int | None = None, max_chunk_size: int | None = None,
-                 banned: dict[PeerID, float] | None = None) -> None:
+                 banned: dict[PeerID, float] | None = None, signed: bool = False,
+                 ban: Callable[[PeerID, str], None] | None = None) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError(f"need 1 <= min_group_size ({min_group_size}) <= target_group_size ({target_group_size})")
         self.node = node
@@ -119,6 +123,10 @@ class Matchmaker:
         self.chunk_size = chunk_size  # what groups we lead use; None: chosen from the members' bandwidths
         self.max_chunk_size = max_chunk_size  # where a group's chunks must stay small (audits move whole chunks)
         self.banned = banned if banned is not None else {}  # peers kept out of our groups, until (monotonic)
+        # signed join declarations, checked by every member (declarations.py); ``ban`` keeps out a leader
+        # caught changing one
+        self.signed = signed
+        self.ban = ban
         self.method = f"avg.join.{prefix}"
         self._leading: _Leadership | None = None
         self._replicas = ReplicaSets(node, REPLICAS_REUSED_FOR)
@@ -284,8 +292,13 @@ class Matchmaker:
     async def _follow(self, group_key: str, leader: Candidate, unreachable: set[PeerID],
                       deadline: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
+        address = self.p2p.listen_address_str and str(self.p2p.address)
         request = {"k": group_key, "schema": self.schema, "bw": self.bandwidth, "w": self._weight,
-                   "a": self.p2p.listen_address_str and str(self.p2p.address), "u": self._planned.unit}
+                   "a": address, "u": self._planned.unit}
+        mine = None
+        if self.signed:
+            mine = Declaration.sign(self.p2p.identity, group_key, self._weight, self.bandwidth, address)
+            request["d"] = mine.to_wire()
         timeout = min(deadline - loop.time(), self._patience + self.request_timeout)
         if timeout <= 0:
             return None
@@ -305,11 +318,29 @@ class Matchmaker:
             await asyncio.sleep(self.poll_interval)  # not leading (any more) or full: look again
             return None
         try:
-            return GroupInfo.from_wire(reply["group"], self.me, self.numel, self.chunk_size or MIN_CHUNK)
+            group = GroupInfo.from_wire(reply["group"], self.me, self.numel, self.chunk_size or MIN_CHUNK)
         except ValueError as e:
             logger.warning("leader %s sent a bad group: %s", leader.peer_id, e)
             unreachable.add(leader.peer_id)
             return None
+        if mine is not None:
+            problem = self._forged(group, group_key, mine)
+            if problem is not None:
+                logger.warning("leader %s altered the group: %s", leader.peer_id, problem)
+                unreachable.add(leader.peer_id)
+                if self.ban is not None:
+                    self.ban(leader.peer_id, f"as leader, it altered the group: {problem}")
+                return None
+        return group
+
+    def _forged(self, group: GroupInfo, group_key: str, mine: Declaration) -> str | None:
+        """Why a signed group's description is not what its members declared, or None."""
+        if group.declarations is None:
+            return "it carries no signed declarations"
+        if group.declarations[group.my_index] != mine:
+            return "our own declaration in it is not the one we signed"
+        return check_group(group.declarations, group.peer_ids, group_key, group.weights, group.addresses,
+                           group.part_sizes, self.numel, _declared_bandwidth)
 
     # ---- leading -------------------------------------------------------------------------------
     async def _lead(self, group_key: str, key: str, myself: Candidate, unreachable: set[PeerID],
@@ -359,8 +390,11 @@ class Matchmaker:
 
     def _assemble(self, lead: _Leadership) -> GroupInfo:
         followers = lead.followers[: self._target - 1]
-        members = [Candidate(0.0, self.me, self.p2p.listen_address_str and str(self.p2p.address), self.bandwidth,
-                             weight=self._weight), *followers]
+        address = self.p2p.listen_address_str and str(self.p2p.address)
+        mine = Declaration.sign(self.p2p.identity, lead.group_key, self._weight, self.bandwidth, address) \
+            if self.signed else None
+        members = [Candidate(0.0, self.me, address, _declared_bandwidth(self.bandwidth), weight=self._weight,
+                             declaration=mine), *followers]
         bandwidths = claims_within_reason([m.bandwidth for m in members])
         sizes = load_balanced_parts(self.numel, bandwidths, bounded=True)
         # weights go in as declared: each member refuses out-of-range ones itself, by the same rule
@@ -368,7 +402,8 @@ class Matchmaker:
         if self.max_chunk_size is not None:
             chunk_size = max(min(chunk_size, self.max_chunk_size), -(-self.numel // MAX_CHUNKS))
         group = GroupInfo(os.urandom(16), [m.peer_id for m in members], [m.address for m in members], sizes,
-                          [m.weight for m in members], 0, chunk_size=chunk_size)
+                          [m.weight for m in members], 0, chunk_size=chunk_size,
+                          declarations=[m.declaration for m in members] if self.signed else None)
         wire = group.to_wire()
         for f in followers:
             fut = lead.replies.get(f.peer_id)
@@ -396,6 +431,13 @@ class Matchmaker:
                              _declared_bandwidth(bandwidth),
                              weight=claimed_weight(request.get("w")),
                              unit=unit if isinstance(unit, int) and not isinstance(unit, bool) else None)
+        if self.signed:
+            declaration = Declaration.from_wire(request.get("d"))
+            problem = "no signed declaration" if declaration is None else \
+                _unlike(declaration, ctx.peer_id, request, lead.group_key)
+            if problem is not None:
+                return {"ok": False, "error": f"this group takes signed declarations: {problem}"}
+            follower.declaration = declaration
         reply: asyncio.Future = asyncio.get_running_loop().create_future()
         lead.followers.append(follower)
         lead.replies[ctx.peer_id] = reply
@@ -446,6 +488,18 @@ def _ahead_of(candidates: list[Candidate], leader: Candidate, myself: Candidate,
     return [(c.peer_id, c.address) for c in sorted(candidates)
             if c.schema_hash == leader.schema_hash and c.address is not None and c.peer_id not in unreachable
             and c.peer_id != myself.peer_id and c >= leader and c < myself]
+
+
+def _unlike(declaration: Declaration, signer: PeerID, request: dict, group_key: str) -> str | None:
+    """Why a follower's signed declaration does not say what its join request says, or None."""
+    try:
+        key, weight, bandwidth, address, _, _ = declaration.fields(signer)
+    except ValueError as e:
+        return str(e)
+    if key != group_key or weight != claimed_weight(request.get("w")) or bandwidth != request.get("bw") \
+            or (address or None) != (request.get("a") or None):
+        return "it does not match the request it came with"
+    return None
 
 
 def _gone_unit(value: Any) -> int | None:

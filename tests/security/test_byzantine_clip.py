@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -87,3 +89,40 @@ async def test_clipping_honest_peers_hold_the_same_bits_and_stay_near_the_mean(s
     everyone = torch.stack([flat(t) for t in game.tensors])
     # honest inputs of a chunk differ in scale (1x to 3x): clipping may trim the widest a little
     assert float((got - everyone.mean(0)).norm()) <= 0.5 * float((everyone - everyone.mean(0)).norm(dim=1).max())
+
+
+@pytest.mark.timeout(60)
+async def test_a_leader_that_rewrites_weights_is_refused_banned_and_the_honest_average_without_it(swarm):
+    """Issue 52: a leader wrote 2e6 as each follower's weight and the honest members dropped each other.
+    In a group that clips, weights come from each member's signed declaration: the followers refuse the
+    altered group, ban its leader and average among themselves."""
+    game = Round(honest=3, attackers=1, full=True)
+    (rogue,) = await game.start(swarm, byzantine="clip")
+    assemble = rogue.matchmaker._assemble
+
+    def rewriting(lead: Any) -> Any:
+        for follower in lead.followers:
+            follower.weight = 2e6
+        return assemble(lead)
+
+    rogue.matchmaker._assemble = rewriting  # type: ignore[method-assign]
+    leading = asyncio.ensure_future(rogue.step(timeout=3))
+    key = f"{rogue.prefix}.mm.all"
+    for _ in range(200):  # the rogue declared first, so it is everyone's first choice of leader
+        found = await game.averagers[0].node.get(key, latest=True)
+        if found is not None and isinstance(found.value, dict) and found.value:
+            break
+        await asyncio.sleep(0.01)
+    honest = game.averagers[:3]
+    results = await asyncio.gather(*(a.step(timeout=20, target_group_size=3) for a in honest))
+    await leading
+    for a, r in zip(honest, results, strict=True):
+        assert r.group_size == 3 and rogue.peer_id not in r.group_peers
+        assert rogue.peer_id in a.banned
+        assert any("signed weight 1, the group says 2e+06" in b["evidence"] for b in a.ban_log), a.ban_log
+    mean = torch.stack([flat(t) for t in game.tensors[:3]]).mean(0)
+    got = flat(honest[0].tensors)
+    assert all(torch.equal(flat(a.tensors), got) for a in honest[1:])
+    assert float((got - mean).norm()) <= 0.5 * float(mean.norm())
+    for a in game.averagers:
+        await a.shutdown()
