@@ -5,7 +5,11 @@ Measured side by side in one run, membership on against membership off:
 * empty RPC round trip (a child process serves an open node and a member node; this process calls both,
   in alternating batches);
 * DHT get (two swarms in this process, one open, one of members; gets that traverse the swarm);
-* all-reduce of 4 x 10M float32, two sets of peer processes, alternating rounds (``--quick``: fewer).
+* all-reduce of 4 x 10M float32, two sets of peer processes, alternating rounds (``--quick``: fewer),
+  and the byzantine levels (clip, verify) against off, membership on;
+* members' attacks on averaging (issue 52's: a rogue reducer, a weight at the cap with large values, a
+  claim of the whole vector, a leader rewriting weights) against each byzantine level;
+* ``--training``: 4 collaborative workers, one attacking every round, against 4 honest ones.
 
 Then strangers: a member DHT node in its own process takes 10,000 hostile TCP connections (silent,
 garbage, huge declared headers, half handshakes) from ``tests/security/hostile_client.py`` in another
@@ -213,6 +217,25 @@ def measure_allreduce(authority_path: str, quick: bool) -> dict:
     return out
 
 
+# ---- members' attacks on averaging -------------------------------------------------------------------
+def measure_attacks(quick: bool) -> dict:
+    """Each attack of issue 52 against each byzantine level (3 honest members, 1 rogue, in this process)."""
+    from _attacks import ATTACKS, play
+
+    errors: dict[str, dict[str, float]] = {}
+    caught: list[int | None] = []
+    for attack in ATTACKS:
+        errors[attack] = {}
+        for mode in ("off", "clip", "verify"):
+            game = uvloop.run(asyncio.wait_for(play(attack, mode), CHILD_LIMIT_S))
+            errors[attack][mode] = game["error"]
+    for _ in range(1 if quick else 3):  # a rogue reducer that cheats every round: the round it is caught
+        game = uvloop.run(asyncio.wait_for(play("rogue reducer serves 1e30", "verify", rounds=2), CHILD_LIMIT_S))
+        caught.append(game["caught_in"])
+    return {"honest_part_error_max": errors,
+            "rogue_reducer_caught_rounds": None if None in caught else max(caught)}
+
+
 # ---- hostile connections -----------------------------------------------------------------------------
 async def _still_serves(addr: str, authority: Authority) -> bool:
     from dht import DHTNode
@@ -270,6 +293,7 @@ def main() -> None:
         figures.update(guarded("rtt", measure_rtt, authority_path, authority, args.quick))
         figures.update(guarded("dht", measure_dht, authority, args.quick))
         figures.update(guarded("allreduce", measure_allreduce, authority_path, args.quick))
+        figures.update(guarded("attacks", measure_attacks, args.quick))
         count = args.hostile or (2000 if args.quick else 10_000)
         figures.update(guarded("hostile", measure_hostile, authority_path, authority, count))
     print_figures(figures)
@@ -296,6 +320,13 @@ def print_figures(f: dict) -> None:
         ("node serves a member afterwards", str(f.get("served_after_attack", "-")), "True"),
     ]
     print_table(["<52", ">22"], ["figure", "value", "target"], rows)
+    attacks = f.get("honest_part_error_max")
+    if isinstance(attacks, dict):
+        print("\nHonest members' largest distance from the honest mean after one round with one rogue, in units")
+        print("of the farthest honest input's (1: within the honest spread):")
+        print_table(["<30", ">12", ">12", ">12"], ["attack", "off", "clip", "verify"],
+                    [(a, *(f"{v[m]:.3g}" for m in ("off", "clip", "verify"))) for a, v in attacks.items()])
+        print(f"rogue reducer caught in round: {f.get('rogue_reducer_caught_rounds')} (target <= 1)")
     for key, value in f.items():
         if key.endswith("_error") or (key == "allreduce_errors" and value):
             print(f"{key}: {value}")
