@@ -112,7 +112,8 @@ async def play(attack: str, mode: str, rounds: int = 1) -> dict:
     nodes = await _nodes(4, client_last=not reduces)
     tensors = [_data(i) for i in range(4)]
     averagers = [DecentralizedAverager([t], node, "bench", target_group_size=4, min_matchmaking_time=3.0,
-                                       chunk_size=CHUNK, byzantine=mode) for t, node in zip(tensors, nodes, strict=True)]
+                                       chunk_size=CHUNK, byzantine=mode)
+                 for t, node in zip(tensors, nodes, strict=True)]
     honest, rogue = averagers[:3], averagers[3]
     act(rogue)
     mean = torch.stack(tensors[:3]).double().mean(0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -56,6 +57,7 @@ from p2p.membership import Authority, Membership  # noqa: E402
 HOSTILE = os.path.join(ROOT, "tests", "security", "hostile_client.py")
 RUN = "bench"
 CHILD_LIMIT_S = 120.0
+TRAINING_LIMIT_S = 240.0
 BYZANTINE_MODES = ("verify",)  # against byzantine=off, all with membership on
 
 
@@ -236,6 +238,68 @@ def measure_attacks(quick: bool) -> dict:
             "rogue_reducer_caught_rounds": None if None in caught else max(caught)}
 
 
+# ---- training with a member that attacks every round ------------------------------------------------
+HOSTILE_WORKER = os.path.join(HERE, "_hostile_worker.py")
+
+
+def _train(tmp: str, name: str, epochs: int, hostile: bool, byzantine: str) -> dict[int, float]:
+    """4 collaborative workers (the last one hostile if asked) to ``epochs``; the honest three's mean
+    loss per epoch."""
+    common = ["worker", "--run", name, "--task", "synthetic", "--target-batch-size", "128", "--min-peers", "4",
+              "--max-epochs", str(epochs), "--byzantine", byzantine, "--min-matchmaking-time", "1"]
+    children: list[Child] = []
+    try:
+        first_address = None
+        for i in range(4):
+            script = [HOSTILE_WORKER] if hostile and i == 3 else ["-m", "orchestrator.cli.main"]
+            argv = [sys.executable, *script, *common, "--seed", str(i),
+                    "--report-file", os.path.join(tmp, f"{name}-{i}.jsonl"),
+                    *(["--initial-peers", first_address] if first_address else [])]
+            child = Child(f"{name} worker {i}", argv, stdin=False, quit_line=None)
+            children.append(child)
+            line = child.line(time.monotonic() + 60, "its address")
+            first_address = first_address or line.split()[-1]
+        deadline = time.monotonic() + TRAINING_LIMIT_S
+        for child in children[:3]:
+            child.finish(deadline)
+    finally:
+        stop_all(children, grace=10)
+    per_epoch: dict[int, list[float]] = {}
+    for i in range(3):  # the honest workers' (one batch each per epoch: their mean is less noisy)
+        path = os.path.join(tmp, f"{name}-{i}.jsonl")
+        for line in open(path) if os.path.exists(path) else []:
+            record = json.loads(line)
+            if record.get("kind") != "progress" and isinstance(record.get("loss"), (int, float)):
+                per_epoch.setdefault(record["epoch"], []).append(record["loss"])
+    return {e: sum(v) / len(v) for e, v in sorted(per_epoch.items())}
+
+
+def measure_training(quick: bool) -> dict:
+    """The loss of a run whose fourth member attacks every round (it sends x50 chunks and, as reducer,
+    serves 1e30) against an honest run's, both with byzantine=verify, compared as the mean over the
+    second half of the epochs both reached (one epoch's loss is a few batches': noisy); the full size
+    adds the attacked run with byzantine=off, where nothing stops the attack."""
+    epochs = 4 if quick else 16
+    runs = {"honest": (False, "verify"), "attacked": (True, "verify")}
+    if not quick:
+        runs["attacked_off"] = (True, "off")
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = {name: _train(tmp, name, epochs, hostile, level) for name, (hostile, level) in runs.items()}
+    out: dict = {"training_epochs": epochs, **{f"training_loss_{name}": v for name, v in losses.items()}}
+    common = sorted(set(losses["honest"]) & set(losses["attacked"]))
+    common = common[len(common) // 2:]
+    if not common:
+        out["training_error"] = f"no epoch reached by both runs: {({k: sorted(v) for k, v in losses.items()})}"
+        return out
+    def mean(name: str) -> float:
+        return sum(losses[name][e] for e in common) / len(common)
+    out["training_epochs_compared"] = common
+    out["training_loss_ratio_attacked_vs_honest"] = mean("attacked") / mean("honest")
+    if "attacked_off" in losses and all(e in losses["attacked_off"] for e in common):
+        out["training_loss_ratio_attacked_off_vs_honest"] = mean("attacked_off") / mean("honest")
+    return out
+
+
 # ---- hostile connections -----------------------------------------------------------------------------
 async def _still_serves(addr: str, authority: Authority) -> bool:
     from dht import DHTNode
@@ -282,9 +346,15 @@ def main() -> None:
     parser.add_argument("--serve", metavar="AUTHORITY", help=argparse.SUPPRESS)
     parser.add_argument("--dht", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hostile", type=int, help="hostile connections (default 10000; --quick 2000)")
+    parser.add_argument("--training", action="store_true", help="only the training run with an attacking member")
     args = parser.parse_args()
     if args.serve:
         uvloop.run(_serve(args.serve, args.dht))
+        return
+    if args.training:
+        figures = guarded("training", measure_training, args.quick)
+        print_training(figures)
+        print_json(figures)
         return
     with tempfile.TemporaryDirectory() as tmp:
         authority_path = os.path.join(tmp, "authority.key")
@@ -330,6 +400,22 @@ def print_figures(f: dict) -> None:
     for key, value in f.items():
         if key.endswith("_error") or (key == "allreduce_errors" and value):
             print(f"{key}: {value}")
+
+
+def print_training(f: dict) -> None:
+    runs = [k.removeprefix("training_loss_") for k in f if k.startswith("training_loss_") and isinstance(f[k], dict)]
+    epochs = sorted({e for r in runs for e in f[f"training_loss_{r}"]})
+    print_table([">6", *([">14"] * len(runs))], ["epoch", *runs],
+                [(e, *(f"{f[f'training_loss_{r}'][e]:.4f}" if e in f[f"training_loss_{r}"] else "-" for r in runs))
+                 for e in epochs])
+    ratio = f.get("training_loss_ratio_attacked_vs_honest")
+    if ratio is None:
+        print(f"training: {f.get('training_error')}")
+        return
+    print(f"loss attacked / honest (verify), mean of epochs {f.get('training_epochs_compared')}: {ratio:.3f} "
+          "(target <= 1.10)")
+    if f.get("training_loss_ratio_attacked_off_vs_honest") is not None:
+        print(f"  the same attack with byzantine=off: {f['training_loss_ratio_attacked_off_vs_honest']:.3g}")
 
 
 if __name__ == "__main__":
