@@ -27,6 +27,7 @@ from dht import DHTNode, SignatureValidator
 from p2p import P2P, CallContext, Identity, Limits, PeerAddress
 from p2p.codecs import Codec, cast_codec, compress, restore
 from p2p.loop_thread import BlockingFace
+from p2p.membership import SERVING_ROLES
 
 from .backend import ExpertBackend
 from .batching import BatchScheduler, TaskPool
@@ -129,12 +130,17 @@ class ExpertServer:
         return server
 
     async def _start(self) -> None:
+        certificate = self.p2p.membership.certificate if self.p2p.membership is not None else None
+        if certificate is not None and not SERVING_ROLES & set(certificate.roles):
+            raise ValueError(f"this peer's certificate names roles {', '.join(certificate.roles) or '(none)'}: only "
+                             f"{' or '.join(sorted(SERVING_ROLES))} peers serve experts (spotswarm token issue --role "
+                             "worker)")
         if self.checkpoint_dir is not None:
             await self.runtime.run(load_experts, self.backends, self.checkpoint_dir)
         self.p2p.register(FORWARD, self.rpc_forward)
         self.p2p.register(BACKWARD, self.rpc_backward)
         self.p2p.register(INFO, self.rpc_info)
-        self.p2p.register(STATE, self.rpc_state)
+        self.p2p.register(STATE, self.rpc_state, roles=SERVING_ROLES)  # an expert's parameters: servers only
         self.scheduler.start()
         loop = asyncio.get_running_loop()
         if self.dht is not None:  # declares whatever is hosted at each period, maybe nothing yet

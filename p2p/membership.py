@@ -23,6 +23,11 @@ from .identity import Identity, PeerID, verify
 
 _CONTEXT = b"spotswarm/membership/v1\x00"  # signatures over certificates mean nothing elsewhere
 MAX_CERTIFICATE_BYTES = 2048  # fits the pre-handshake header limit with room for the rest of HELLO
+# The roles a run's authority writes into certificates.  A worker is one of the run's own instances
+# (it trains, averages, serves experts and hands their state on); a volunteer trains and averages
+# only; the supervisor runs the run.  Methods name the roles they are served to (P2P.register).
+WORKER, VOLUNTEER, SUPERVISOR = "worker", "volunteer", "supervisor"
+SERVING_ROLES = frozenset({WORKER, SUPERVISOR})  # who may serve experts and their state
 _KEYS = ("p", "r", "e", "a", "s", "o")
 
 

@@ -14,7 +14,7 @@ import enum
 import functools
 import logging
 import sys
-from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, Callable, Collection, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -113,6 +113,7 @@ class P2P:
         self.address: PeerAddress | None = None
         self._server: asyncio.Server | None = None
         self._handlers: dict[str, tuple[Handler, CallKind]] = {}
+        self._roles: dict[str, frozenset[str]] = {}  # method -> the certificate roles it is served to
         self._handler_tasks: set[asyncio.Task] = set()
         self._closed = False
         self.throttle: Throttle | None = None  # set_rate_limit; None (unlimited) costs one check per send and read
@@ -159,16 +160,34 @@ class P2P:
         return f"P2P({self.peer_id!r}, {self.listen_address_str or 'client mode'})"
 
     # ---- handlers --------------------------------------------------------------------------
-    def register(self, method: str, handler: Handler, kind: CallKind = CallKind.UNARY) -> None:
+    def register(self, method: str, handler: Handler, kind: CallKind = CallKind.UNARY,
+                 roles: Collection[str] | None = None) -> None:
         """Serve ``method``.  Unary: ``async (request, ctx) -> response``; server-stream: an async
         generator ``(request, ctx)``; client-stream: ``async (requests, ctx) -> response``;
-        bidi: an async generator ``(requests, ctx)``; ``requests`` is an async iterator."""
+        bidi: an async generator ``(requests, ctx)``; ``requests`` is an async iterator.
+        ``roles``: with membership on, only callers whose certificate names one of them (None: any member)."""
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
         self._handlers[method] = (handler, CallKind(kind))
+        if roles is not None:
+            self._roles[method] = frozenset(roles)
+        else:
+            self._roles.pop(method, None)
 
     def unregister(self, method: str) -> None:
         self._handlers.pop(method, None)
+        self._roles.pop(method, None)
+
+    def _role_problem(self, method: str, conn: Connection) -> str | None:
+        """Why the caller on ``conn`` may not call ``method`` (its certificate's roles), or None."""
+        wanted = self._roles.get(method)
+        if wanted is None or self.membership is None:
+            return None
+        held = conn.remote_certificate.roles if conn.remote_certificate is not None else ()
+        if wanted & set(held):
+            return None
+        return (f"{method} is served to roles {', '.join(sorted(wanted))}; the caller's certificate names "
+                f"{', '.join(held) or 'no role'}")
 
     def start_handler(self, conn: Connection, sid: int, method: str, header: dict, size: int) -> None:
         """Serve a call the remote opened on ``conn`` (stream ``sid``, its OPEN ``header`` of ``size``
@@ -188,6 +207,10 @@ class P2P:
             except Exception as e:
                 conn.send_error(sid, "Unauthorized", str(e))
                 return
+        problem = self._role_problem(method, conn)
+        if problem is not None:
+            conn.send_error(sid, "Unauthorized", problem)
+            return
         stream = conn.accept_stream(sid, method, header, size)
         task = self._start_eagerly(self._serve(entry, conn, stream, header))
         if task is None:
