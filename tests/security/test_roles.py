@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from experts.handoff import STATE
 from experts.remote import call_info
 from experts.server import INFO, ExpertServer
-from experts.handoff import STATE
 from p2p import P2P, Authority, Identity, Membership
 from p2p.errors import RemoteError
 from p2p.membership import SUPERVISOR, VOLUNTEER, WORKER
