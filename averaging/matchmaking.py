@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dht import DHTNode, ReplicaSets
+from dht import DHTNode, ReplicaSets, SignatureValidator
+from dht.validation import owner_marker, owners_in
 from dht.replicas import REUSED_FOR
 from p2p import P2PError, PeerID
 from p2p.node import CallContext
@@ -136,6 +137,10 @@ class Matchmaker:
         self._gone_units: set[int] = set()  # units of the level below declared gone under this call's key
         self._background: set[asyncio.Task] = set()
         self._withdrawn: dict[str, float] = {}  # key -> the expiration of our last withdrawal there
+        # our declarations' subkey: signed by our key where the DHT signs (one declaration per member and
+        # key, in no one else's name: see _parse_candidate), our bare id where it cannot
+        self.signed_subkeys = _signs_for(node)
+        self.subkey = (owner_marker(node.p2p.identity.public_key) if self.signed_subkeys else "") + str(self.me)
         self.p2p.register(self.method, self._rpc_join)
 
     def _banned_now(self) -> set[PeerID]:
@@ -204,7 +209,7 @@ class Matchmaker:
         declaration = {"a": self.p2p.listen_address_str and str(self.p2p.address), "t": declared_at,
                        "bw": self.bandwidth, "h": self.schema_hash}
         replicas = await self._replicas.of(key)  # where the withdrawal goes too, without a second lookup
-        await self.node.store(key, declaration, expiration, subkey=str(self.me), at=replicas)
+        await self.node.store(key, declaration, expiration, subkey=self.subkey, at=replicas)
         myself = Candidate(declared_at, self.me, declaration["a"], self.bandwidth, self.schema_hash)
         unreachable: set[PeerID] = set()
         self._polls = _Polls(replicas)
@@ -246,7 +251,7 @@ class Matchmaker:
                 if gone is not None:
                     self._gone_units.add(gone)
                     continue
-                cand = _parse_candidate(subkey, item.value)
+                cand = _parse_candidate(subkey, item.value, self.signed_subkeys)
                 if cand is not None:
                     out[cand.peer_id] = cand
         return sorted(out.values())
@@ -257,7 +262,7 @@ class Matchmaker:
         key = self._dht_key(group_key)
         value = {"a": None, "t": self.node.clock.now(), "g": int(unit)}
         try:
-            await self.node.store(key, value, self.node.clock.now() + lasts, subkey=f"{self.me}.gone")
+            await self.node.store(key, value, self.node.clock.now() + lasts, subkey=f"{self.subkey}.gone")
         except Exception as e:  # noqa: BLE001 - a courtesy: the leader's patience bounds its wait anyway
             logger.debug("could not declare unit %d of %s gone: %s", unit, group_key, e)
 
@@ -284,7 +289,7 @@ class Matchmaker:
         while len(self._withdrawn) > 256:  # keys of past groups (Moshpit's grid keys): the oldest go
             del self._withdrawn[next(iter(self._withdrawn))]
         try:
-            await self.node.store(key, None, expiration + 1e-3, subkey=str(self.me), at=replicas)
+            await self.node.store(key, None, expiration + 1e-3, subkey=self.subkey, at=replicas)
         except Exception as e:  # the DHT may be shutting down with us
             logger.debug("could not withdraw matchmaking declaration: %s", e)
 
@@ -518,11 +523,33 @@ def _declared_bandwidth(value: Any) -> float:
     return min(float(value), 1e6)
 
 
-def _parse_candidate(subkey: Any, value: Any) -> Candidate | None:
+def _signs_for(node: DHTNode) -> bool:
+    """Whether ``node`` signs the records its own key owns (a DHT made without signatures does not)."""
+    return any(isinstance(v, SignatureValidator) and v.identity.public_key == node.p2p.identity.public_key
+               for v in node.validator.validators)
+
+
+def _declarer(subkey: str, signed: bool) -> PeerID:
+    """The peer a declaration's subkey stands for: ``[owner:<key>]<its peer id>``, the id that key's, so a
+    member declares itself only, once per key (the DHT checked the owner's signature); a bare peer id
+    only where declarations are not signed.  ValueError otherwise."""
+    owners = owners_in(subkey.encode())
+    if not owners:
+        if signed:
+            raise ValueError("an unsigned declaration")
+        return PeerID.from_string(subkey)
+    marker = owner_marker(owners[0])
+    peer_id = PeerID.from_string(subkey.removeprefix(marker)) if subkey.startswith(marker) else None
+    if len(owners) != 1 or peer_id != PeerID.from_public_key(owners[0]):
+        raise ValueError("a declaration in another peer's name")
+    return peer_id
+
+
+def _parse_candidate(subkey: Any, value: Any, signed: bool = False) -> Candidate | None:
     if not isinstance(value, dict) or not isinstance(subkey, str):
         return None  # withdrawn (None) or malformed
     try:
-        peer_id = PeerID.from_string(subkey)
+        peer_id = _declarer(subkey, signed)
         declared_at = float(value["t"])
         bandwidth = float(value.get("bw", 0.0))
     except (KeyError, TypeError, ValueError):

@@ -93,8 +93,8 @@ def run_rules(run: str) -> list[KeyRule]:
         KeyRule.regex(progress.pattern, f"progress keys of run {run!r}", value=ProgressRecord | ProgressSummaryRecord,
                       **owned),
         KeyRule.regex(state.pattern, f"state advert keys of run {run!r}", value=StateAdvert, **owned),
-        KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", dictionary=True, subkey=str,
-                      value=MatchmakingDeclaration, allow_none=True),
+        KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", value=MatchmakingDeclaration,
+                      **owned),
         # a group key may be a number, and a progress or state key looks like an expert's name
         *expert_rules(exclude=lambda key: any(r.fullmatch(key) is not None for r in (matchmaking, progress, state))),
     ]

@@ -11,6 +11,7 @@ import torch
 from averaging import DecentralizedAverager
 from averaging.load_balancing import SHARE_FACTOR, claims_within_reason, load_balanced_parts
 from dht import DHTNode
+from dht.validation import owner_marker
 from p2p import PeerID
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,16 +30,17 @@ async def silent_socket() -> tuple[asyncio.Server, list[asyncio.StreamWriter]]:
 async def test_declared_leaders_that_never_answer_do_not_stop_the_group_forming():
     first = await DHTNode.create()
     nodes = [first] + [await DHTNode.create([str(first.address)]) for _ in range(3)]
+    rogues = [await DHTNode.create([str(first.address)]) for _ in range(5)]  # five members, one declaration each
     server, held = await silent_socket()
     port = server.sockets[0].getsockname()[1]
     averagers = [DecentralizedAverager([torch.full((8,), float(i))], n, "mm", target_group_size=4,
                                        min_matchmaking_time=5.0) for i, n in enumerate(nodes)]
     try:
         now = first.clock.now()
-        for _ in range(5):  # declared well before anyone honest: each would be tried as the leader first
-            fake = PeerID(os.urandom(32))
-            await first.store("mm.mm.all", {"a": f"{fake}@127.0.0.1:{port}", "t": now - 60, "bw": 100.0, "h": ""},
-                              now + 60, subkey=str(fake))
+        for rogue in rogues:  # declared well before anyone honest: each would be tried as the leader first
+            subkey = owner_marker(rogue.p2p.identity.public_key) + str(rogue.peer_id)
+            await rogue.store("mm.mm.all", {"a": f"{rogue.peer_id}@127.0.0.1:{port}", "t": now - 60, "bw": 100.0,
+                                            "h": ""}, now + 60, subkey=subkey)
         # a dead leader used to cost a follower its whole request timeout; 5 of them, the whole window
         results = await asyncio.gather(*(a.step(timeout=6.0) for a in averagers))
         assert [r.group_size for r in results] == [4, 4, 4, 4]
@@ -50,7 +52,41 @@ async def test_declared_leaders_that_never_answer_do_not_stop_the_group_forming(
             w.close()
         server.close()
         await server.wait_closed()
-        await asyncio.gather(*(n.shutdown() for n in reversed(nodes)))
+        await asyncio.gather(*(n.shutdown() for n in reversed(rogues + nodes)))
+
+
+async def test_a_member_floods_a_key_with_declarations_in_any_name_and_only_its_own_counts():
+    """Issue 52: 1024 fake declarations stopped every group forming for the whole window.  Declarations
+    are signed subkeys ``[owner:<key>]<peer id>``: one member holds at most its share of a key, and of
+    what it writes only the declaration in its own name is read."""
+    first = await DHTNode.create()
+    nodes = [first] + [await DHTNode.create([str(first.address)]) for _ in range(3)]
+    rogue = await DHTNode.create([str(first.address)])
+    averagers = [DecentralizedAverager([torch.full((8,), float(i))], n, "mm", target_group_size=4,
+                                       min_matchmaking_time=5.0) for i, n in enumerate(nodes)]
+    try:
+        now = first.clock.now()
+        marker = owner_marker(rogue.p2p.identity.public_key)
+        stored = 0
+        for _ in range(1024):  # in other (made-up) peers' names, under its own signature
+            fake = PeerID(os.urandom(32))
+            stored += bool(await rogue.store("mm.mm.all", {"a": f"{fake}@127.0.0.1:9", "t": now - 60, "bw": 100.0,
+                                                           "h": ""}, now + 60, subkey=marker + str(fake)))
+        unsigned = PeerID(os.urandom(32))  # and unsigned, as any peer id
+        await rogue.store("mm.mm.all", {"a": f"{unsigned}@127.0.0.1:9", "t": now - 60, "bw": 100.0, "h": ""},
+                          now + 60, subkey=str(unsigned))
+        found = await first.get("mm.mm.all", latest=True)
+        share = max(int(first.storage.max_subkeys * first.storage.owner_share), first.storage.min_owner_subkeys)
+        assert len(found.value) <= share + 1 and stored <= share  # its share of the key, and the unsigned one
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*(a.step(timeout=6.0) for a in averagers))
+        assert [r.group_size for r in results] == [4, 4, 4, 4]
+        # the group closed when full, not after the 5 s window (each fake would cost a probe's second)
+        assert asyncio.get_running_loop().time() - started < 3.0
+    finally:
+        for a in averagers:
+            await a.shutdown()
+        await asyncio.gather(*(n.shutdown() for n in reversed([*nodes, rogue])))
 
 
 def test_a_huge_bandwidth_claim_buys_at_most_a_bounded_part():
