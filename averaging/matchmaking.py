@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dht import DHTNode, ReplicaSets, SignatureValidator
-from dht.validation import owner_marker, owners_in
 from dht.replicas import REUSED_FOR
+from dht.validation import owner_marker, owners_in
 from p2p import P2PError, PeerID
 from p2p.node import CallContext
 from p2p.waiting import wait_event
