@@ -122,9 +122,14 @@ def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
 
     # the Ctrl-C stop had 1 ms for its final checkpoint: too little, and the store and `status` say how
     # many epochs the last checkpoint is behind the stop
-    (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'final_checkpoint_missed'")
-    missed = json.loads(detail)
     (last_checkpoint,), = rows(db, "SELECT MAX(epoch) FROM checkpoints")
+    missed_rows = rows(db, "SELECT detail FROM events WHERE kind = 'final_checkpoint_missed'")
+    if not missed_rows:  # a periodic checkpoint had caught the stop's epoch (a slow, loaded run): nothing missed
+        (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'final_checkpoint'")
+        assert json.loads(detail)["written"] is False and json.loads(detail)["epoch"] == last_checkpoint == max(after)
+        return
+    (detail,), = missed_rows
+    missed = json.loads(detail)
     assert missed["epoch"] == max(after) and missed["checkpoint_epoch"] == last_checkpoint
     assert missed["epochs_behind"] == max(after) - last_checkpoint
     status = subprocess.run([*cli, "status", "runs/r"], cwd=tmp_path, env={**env, "COLUMNS": "200"},
