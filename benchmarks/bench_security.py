@@ -278,9 +278,10 @@ def _train(tmp: str, name: str, epochs: int, hostile: bool, byzantine: str) -> d
 
 def measure_training(quick: bool) -> dict:
     """The loss of a run whose fourth member attacks every round (it sends x50 chunks and, as reducer,
-    serves 1e30) against an honest run's, both with byzantine=verify, compared as the mean over the
-    second half of the epochs both reached (one epoch's loss is a few batches': noisy); the full size
-    adds the attacked run with byzantine=off, where nothing stops the attack."""
+    serves 1e30) against an honest run's, both with byzantine=verify: the ratio of their mean losses over
+    the epochs both reached, each epoch's loss the honest workers' mean (and over the second half alone,
+    where the losses are small and the ratio noisier); the full size adds the attacked run with
+    byzantine=off, where nothing stops the attack."""
     epochs = 4 if quick else 16
     runs = {"honest": (False, "verify"), "attacked": (True, "verify")}
     if not quick:
@@ -289,10 +290,22 @@ def measure_training(quick: bool) -> dict:
         losses = {name: _train(tmp, name, epochs, hostile, level) for name, (hostile, level) in runs.items()}
     out: dict = {"training_epochs": epochs, **{f"training_loss_{name}": v for name, v in losses.items()}}
     common = sorted(set(losses["honest"]) & set(losses["attacked"]))
-    common = common[len(common) // 2:]
     if not common:
         out["training_error"] = f"no epoch reached by both runs: {({k: sorted(v) for k, v in losses.items()})}"
         return out
+
+    def ratio(name: str, epochs: list[int]) -> float | None:
+        if not all(e in losses[name] for e in epochs):
+            return None
+        return sum(losses[name][e] for e in epochs) / sum(losses["honest"][e] for e in epochs)
+
+    late = common[len(common) // 2:]  # where losses are small, a ratio of two runs is noisier
+    out["training_epochs_compared"] = common
+    out["training_loss_ratio_attacked_vs_honest"] = ratio("attacked", common)
+    out["training_loss_ratio_attacked_vs_honest_second_half"] = ratio("attacked", late)
+    if "attacked_off" in losses:
+        out["training_loss_ratio_attacked_off_vs_honest"] = ratio("attacked_off", common)
+    return out
     def mean(name: str) -> float:
         return sum(losses[name][e] for e in common) / len(common)
     out["training_epochs_compared"] = common
@@ -416,8 +429,9 @@ def print_training(f: dict) -> None:
     if ratio is None:
         print(f"training: {f.get('training_error')}")
         return
-    print(f"loss attacked / honest (verify), mean of epochs {f.get('training_epochs_compared')}: {ratio:.3f} "
-          "(target <= 1.10)")
+    epochs = f.get("training_epochs_compared") or [0]
+    print(f"loss attacked / honest (verify), mean of epochs {epochs[0]}-{epochs[-1]}: {ratio:.3f} (target <= 1.10); "
+          f"second half alone: {f.get('training_loss_ratio_attacked_vs_honest_second_half', 0):.3f}")
     if f.get("training_loss_ratio_attacked_off_vs_honest") is not None:
         print(f"  the same attack with byzantine=off: {f['training_loss_ratio_attacked_off_vs_honest']:.3g}")
 
