@@ -236,6 +236,7 @@ class AllReduceRound:
         self.finished = asyncio.Event()  # run() returned: audits of our part may start
         self.keys: dict[int, bytes] = {}  # senders' public keys, from their calls
         self.commits: dict[int, bytes] = {}  # members' audit commits, as they came with the round's calls
+        self.shown_to: set[PeerID] = set()  # members we showed our part's inputs to
     def _chunks(self, part: int) -> list[Chunk]:
         start, end = self.bounds[part]
         return self.flat.chunks(start, end, self.chunk_size, self.codec)
@@ -610,6 +611,9 @@ class AllReduceRound:
         reducer = self.reducer
         if reducer is None or type(c) is not int or not 0 <= c < len(reducer.chunks):
             raise ValueError("no such chunk of our part")
+        if caller in self.shown_to:  # an auditor asks once a round: more would only spend our upload
+            raise ValueError("this member already audited our part of this round")
+        self.shown_to.add(caller)
         own = reducer.own_inputs[c]
         if own is None:
             raise ValueError(f"chunk {c} of our part was not averaged")

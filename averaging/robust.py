@@ -110,7 +110,8 @@ def bound(bad_weight_share: float, tau: float, iterations: int = CLIP_ITERATIONS
 
 def centered_clip(xs: Sequence[torch.Tensor], weights: Sequence[float],
                   iterations: int = CLIP_ITERATIONS) -> torch.Tensor:
-    """CenteredClip of ``xs`` (same shape each): the reducer's rule, as one function (tests, audits)."""
+    """CenteredClip of ``xs`` (same shape each): the reducer's rule as one function, for callers that hold
+    every input at once (the reducer forms the same sum in place, chunk by chunk)."""
     coefficients, _ = clip_coefficients(squared_distances(xs), weights, iterations)
     return weighted_sum(xs, coefficients)
 

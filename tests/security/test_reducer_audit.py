@@ -145,5 +145,8 @@ async def test_malformed_audit_requests_get_clear_errors_and_change_nothing(swar
             or "query" in str(info.value), (request, info.value)
     answer = await caller.node.p2p.call(address, target.audit_method, {"g": group_id, "q": "commit"}, timeout=5)
     assert isinstance(answer["h"], bytes)
+    # the caller audited this round already: it is not shown the inputs again (its upload is ours)
+    with pytest.raises(Exception, match="already audited"):
+        await caller.node.p2p.call(address, target.audit_method, {"g": group_id, "q": "inputs", "c": 0}, timeout=5)
     for a in game.averagers:
         await a.shutdown()
