@@ -99,7 +99,9 @@ def clip_coefficients(d2: list[list[float]], weights: Sequence[float], iteration
             dist = math.sqrt(max(dist2, 0.0))
             step[i] = (weights[i] / total) * (1.0 if dist <= tau else tau / dist)
         moved = sum(step)
-        a = [(1.0 - moved) * a[k] + step[k] for k in range(m)]
+        previous, a = a, [(1.0 - moved) * a[k] + step[k] for k in range(m)]
+        if max(abs(x - y) for x, y in zip(a, previous, strict=True)) <= 1e-12:
+            break  # a fixed point (honest inputs: the weighted mean, after two iterations)
     return a, tau
 
 
