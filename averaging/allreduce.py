@@ -199,7 +199,7 @@ class AllReduceRound:
         self.chunk_size = chunk_size
         self.sender_timeout = sender_timeout
         # a verified group's chunks are small (audits move whole chunks): as many bytes in flight as others
-        self.window = capped_window(window if byzantine is not Byzantine.VERIFY else 1 << 10, chunk_size)
+        self.window = capped_window(window if self.byzantine is not Byzantine.VERIFY else 1 << 10, chunk_size)
         self.bounds = part_bounds(group.part_sizes)
         self.outcome = AllReduceOutcome()
         me = group.my_index

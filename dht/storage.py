@@ -20,6 +20,7 @@ seconds ahead, at most ``max_subkeys`` subkeys and ``max_key_total_bytes`` bytes
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import time
@@ -34,6 +35,14 @@ logger = logging.getLogger(__name__)
 def _newer(value_a: bytes, exp_a: float, value_b: bytes, exp_b: float) -> bool:
     """True if (value_a, exp_a) beats (value_b, exp_b)."""
     return exp_a > exp_b or (exp_a == exp_b and value_a > value_b)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _sole_owner(subkey: bytes) -> bytes | None:
+    """The one owner a subkey names, or None: every store to a shared key counts its owner's subkeys,
+    so each subkey's markers are parsed once, not once per store (a run's progress key holds hundreds)."""
+    owners = owners_in(subkey)
+    return owners[0] if len(owners) == 1 else None
 
 
 @dataclass
@@ -195,7 +204,7 @@ class Storage:
         if len(owners) != 1:
             return None
         owner = owners[0]
-        mine = [(sk, v) for sk, (v, _) in entry.subkeys.items() if owners_in(sk) == [owner]]
+        mine = [(sk, v) for sk, (v, _) in entry.subkeys.items() if _sole_owner(sk) == owner]
         max_count = max(int(self.max_subkeys * self.owner_share), self.min_owner_subkeys)
         if len(mine) > max_count:
             return (f"its owner already holds its share of the key: {max_count} subkeys "
