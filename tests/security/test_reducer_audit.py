@@ -150,3 +150,51 @@ async def test_malformed_audit_requests_get_clear_errors_and_change_nothing(swar
         await caller.node.p2p.call(address, target.audit_method, {"g": group_id, "q": "inputs", "c": 0}, timeout=5)
     for a in game.averagers:
         await a.shutdown()
+
+
+@pytest.mark.timeout(90)
+async def test_a_member_claiming_the_whole_vector_gets_a_bounded_part_and_is_caught_cheating_on_it(swarm):
+    """Issue 52: bandwidth=1e6 bought parts [0, 0, 0, 4000], and a 1e30 reply then moved every value.
+    The claim buys at most 2/k of the vector, and serving 1e30 for that part gets the claimant caught."""
+    game = Round(honest=3, attackers=1, full=True)
+    (rogue,) = await game.start(swarm, byzantine="verify")
+    rogue.meter = None  # declares what it likes instead of what it measured
+    rogue.matchmaker.declare_bandwidth(1e6)
+    rogue.round_class = ServesHuge
+    honest = game.averagers[:3]
+    before = [flat(a.tensors) for a in honest]
+    results = await asyncio.gather(*(a.step(timeout=30) for a in game.averagers))
+    for a, r, mine in zip(honest, results[:3], before, strict=True):
+        part = r.group_peers.index(rogue.peer_id)
+        assert r.part_sizes[part] <= 2 / 4 * sum(r.part_sizes)  # bounded, not the whole vector
+        assert set(r.caught) == {rogue.peer_id}
+        start = sum(r.part_sizes[:part])
+        got = flat(a.tensors)
+        assert torch.equal(got[start:start + r.part_sizes[part]], mine[start:start + r.part_sizes[part]])
+        assert float(got.abs().max()) < 100
+    for a in game.averagers:
+        await a.shutdown()
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.lists(st.binary(max_size=64) | st.integers() | st.none(), max_size=4),
+       fields=st.lists(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+                       | st.binary(max_size=8), max_size=7))
+def test_join_declarations_from_the_wire_are_parsed_or_refused_with_a_reason(raw, fields):
+    import msgpack
+
+    from averaging.declarations import Declaration
+    from p2p import Identity
+
+    assert Declaration.from_wire(raw) is None or isinstance(Declaration.from_wire(raw).raw, bytes)
+    identity = Identity()
+    forged = Declaration(msgpack.packb(fields), identity.sign(b"spotswarm-join" + msgpack.packb(fields)),
+                         identity.public_key)
+    try:
+        key, weight, bandwidth, address, at, nonce = forged.fields(identity.peer_id)
+    except ValueError as e:
+        assert str(e)
+    else:
+        assert isinstance(key, str) and isinstance(nonce, bytes)
+    with pytest.raises(ValueError, match="another peer's key"):
+        forged.fields(Identity().peer_id)
