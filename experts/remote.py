@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from p2p import P2P, P2PError, RemoteError
 from p2p.codecs import Codec, cast_codec, compress, restore
-from p2p.membership import SERVING_ROLES
+from p2p.membership import serves_experts
 
 from .client import ExpertClient, default_client
 from .errors import ExpertCallFailed, from_remote
@@ -52,7 +52,7 @@ async def _call(p2p: P2P, address: str, uid: str, method: str, request: dict, ti
     try:
         if p2p.membership is not None:  # in a run: only its workers serve experts, not volunteers
             certificate = p2p.peer_certificate(await p2p.connect(address, timeout))
-            if certificate is not None and not SERVING_ROLES & set(certificate.roles):
+            if certificate is not None and not serves_experts(certificate.roles, uid):
                 raise ExpertCallFailed(f"expert {uid!r} at {address} is served by a peer whose certificate names "
                                        f"{', '.join(certificate.roles) or 'no role'}: only workers serve experts")
         return await p2p.call(address, method, request, timeout=timeout)

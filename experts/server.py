@@ -27,7 +27,7 @@ from dht import DHTNode, SignatureValidator
 from p2p import P2P, CallContext, Identity, Limits, PeerAddress
 from p2p.codecs import Codec, cast_codec, compress, restore
 from p2p.loop_thread import BlockingFace
-from p2p.membership import SERVING_ROLES
+from p2p.membership import SERVING_ROLES, serves_experts
 
 from .backend import ExpertBackend
 from .batching import BatchScheduler, TaskPool
@@ -131,10 +131,12 @@ class ExpertServer:
 
     async def _start(self) -> None:
         certificate = self.p2p.membership.certificate if self.p2p.membership is not None else None
-        if certificate is not None and not SERVING_ROLES & set(certificate.roles):
-            raise ValueError(f"this peer's certificate names roles {', '.join(certificate.roles) or '(none)'}: only "
-                             f"{' or '.join(sorted(SERVING_ROLES))} peers serve experts (spotswarm token issue --role "
-                             "worker)")
+        if certificate is not None:
+            refused = [uid for uid in self.backends if not serves_experts(certificate.roles, uid)]
+            if refused:
+                raise ValueError(f"this peer's certificate names roles {', '.join(certificate.roles) or '(none)'}, "
+                                 f"which do not cover experts {', '.join(refused[:4])}: worker, supervisor and "
+                                 "experts:<uid prefix> peers serve experts (spotswarm token issue --role ...)")
         if self.checkpoint_dir is not None:
             await self.runtime.run(load_experts, self.backends, self.checkpoint_dir)
         self.p2p.register(FORWARD, self.rpc_forward)

@@ -27,7 +27,21 @@ MAX_CERTIFICATE_BYTES = 2048  # fits the pre-handshake header limit with room fo
 # (it trains, averages, serves experts and hands their state on); a volunteer trains and averages
 # only; the supervisor runs the run.  Methods name the roles they are served to (P2P.register).
 WORKER, VOLUNTEER, SUPERVISOR = "worker", "volunteer", "supervisor"
-SERVING_ROLES = frozenset({WORKER, SUPERVISOR})  # who may serve experts and their state
+EXPERTS = "experts:"  # "experts:<uid prefix>": a standalone expert server's, for the experts under that prefix
+SERVING_ROLES = frozenset({WORKER, SUPERVISOR, EXPERTS + "*"})  # who may serve experts and their state
+
+
+def role_matches(held: str, wanted: str) -> bool:
+    """Whether a certificate's role ``held`` is ``wanted``; a wanted role ending in ``*`` is a prefix."""
+    return held.startswith(wanted[:-1]) if wanted.endswith("*") else held == wanted
+
+
+def serves_experts(roles: Sequence[str], uid: str | None = None) -> bool:
+    """Whether a certificate with ``roles`` may serve experts (``uid``: that one; an ``experts:<prefix>``
+    role covers the uids under its prefix)."""
+    if WORKER in roles or SUPERVISOR in roles:
+        return True
+    return any(r.startswith(EXPERTS) and (uid is None or uid.startswith(r[len(EXPERTS):])) for r in roles)
 _KEYS = ("p", "r", "e", "a", "s", "o")
 
 

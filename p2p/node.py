@@ -26,7 +26,7 @@ from .errors import PeerUnreachable, RemoteError, Retry
 from .headers import AUTH, DATA, DEADLINE, END, END_OF_ITEMS, FIRST_ITEM, KIND, METHOD, OPEN, PAYLOAD, STREAM
 from .identity import Identity, PeerID
 from .limits import Limits
-from .membership import Certificate, Membership
+from .membership import Certificate, Membership, role_matches
 from .pool import ConnectionPool, PeerLike
 from .route import RelayRoute
 from .stream import Call, Stream
@@ -184,7 +184,7 @@ class P2P:
         if wanted is None or self.membership is None:
             return None
         held = conn.remote_certificate.roles if conn.remote_certificate is not None else ()
-        if wanted & set(held):
+        if any(role_matches(h, w) for h in held for w in wanted):
             return None
         return (f"{method} is served to roles {', '.join(sorted(wanted))}; the caller's certificate names "
                 f"{', '.join(held) or 'no role'}")

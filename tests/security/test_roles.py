@@ -71,7 +71,7 @@ async def test_a_volunteer_serves_no_experts_takes_no_expert_state_and_is_not_us
     authority = peers.authority
     identity = Identity()
     volunteer_cert = Membership(RUN, authority.public_key, authority.issue(identity.peer_id, 3600, [VOLUNTEER]))
-    with pytest.raises(ValueError, match="only supervisor or worker peers serve experts"):
+    with pytest.raises(ValueError, match="names roles volunteer, which do not cover experts ffn.0"):
         await ExpertServer.create([scale_backend("ffn.0")], identity=identity,
                                   p2p_options={"membership": volunteer_cert})
     identity = Identity()
@@ -85,6 +85,8 @@ async def test_a_volunteer_serves_no_experts_takes_no_expert_state_and_is_not_us
         with pytest.raises(RemoteError, match="expert.state is served to roles"):
             await volunteer.call(address, STATE, {"uid": "ffn.0"}, timeout=10)
         assert isinstance(await worker.call(address, STATE, {"uid": "ffn.0"}, timeout=10), dict)
+        scoped = await peers("experts:ffn.")  # a standalone expert server's role: hand-offs between servers
+        assert isinstance(await scoped.call(address, STATE, {"uid": "ffn.0"}, timeout=10), dict)
         # a volunteer whose own code serves an expert anyway: members' clients do not call it
         rogue = await peers(VOLUNTEER, host="127.0.0.1")
         rogue.register(INFO, echo)
@@ -92,3 +94,11 @@ async def test_a_volunteer_serves_no_experts_takes_no_expert_state_and_is_not_us
             await call_info(worker, str(rogue.address), "ffn.0", timeout=10)
     finally:
         await server.shutdown()
+
+
+def test_an_experts_role_covers_the_uids_under_its_prefix_only():
+    from p2p.membership import serves_experts
+
+    assert serves_experts(("experts:ffn.",), "ffn.0.3") and not serves_experts(("experts:ffn.",), "mlp.0")
+    assert serves_experts(("worker",), "mlp.0") and serves_experts(("supervisor",))
+    assert not serves_experts(("volunteer",)) and not serves_experts(())
