@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from averaging import DecentralizedAverager
 from averaging.allreduce import AllReduceRound
 from averaging.audit import Commitment
 from tests.security.test_averaging_attacks import Round
@@ -106,6 +107,24 @@ async def test_an_honest_verified_group_catches_nobody_and_holds_the_clipped_ave
     assert all(r.group_size == 4 and r.complete and not r.caught and not r.excluded for r in results)
     got = flat(game.averagers[0].tensors)
     assert all(torch.equal(flat(a.tensors), got) for a in game.averagers[1:])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("compression", ["uniform8", "blockwise8", "float16"])
+async def test_compressed_verified_rounds_recompute_exactly_and_catch_nobody(swarm, compression):
+    """Audits decode the inputs as the reducer did and encode the result as it did: lossy codecs too."""
+    nodes = await swarm(4)
+    tensors = [torch.randn(40_000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    averagers = [DecentralizedAverager([t], n, "cmp", target_group_size=4, min_matchmaking_time=10.0,
+                                       chunk_size=8192, compression=compression, byzantine="verify")
+                 for t, n in zip(tensors, nodes, strict=True)]
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30) for a in averagers))
+        assert all(r.group_size == 4 and r.complete and not r.caught and not r.excluded for r in results)
+        assert all(torch.equal(a.tensors[0], averagers[0].tensors[0]) for a in averagers[1:])
+    finally:
+        for a in averagers:
+            await a.shutdown()
 
 
 @pytest.mark.timeout(60)
