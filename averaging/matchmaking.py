@@ -137,9 +137,10 @@ class Matchmaker:
         self._gone_units: set[int] = set()  # units of the level below declared gone under this call's key
         self._background: set[asyncio.Task] = set()
         self._withdrawn: dict[str, float] = {}  # key -> the expiration of our last withdrawal there
-        # our declarations' subkey: signed by our key where the DHT signs (one declaration per member and
-        # key, in no one else's name: see _parse_candidate), our bare id where it cannot
-        self.signed_subkeys = _signs_for(node)
+        # our declarations' subkey: where members are not trusted (``signed``) and the DHT signs, signed by
+        # our key (one declaration per member and key, in no one else's name: _parse_candidate), else our
+        # bare id (a signature per declaration, checked by every reader, is what a trusted fleet saves)
+        self.signed_subkeys = signed and _signs_for(node)
         self.subkey = (owner_marker(node.p2p.identity.public_key) if self.signed_subkeys else "") + str(self.me)
         self.p2p.register(self.method, self._rpc_join)
 

@@ -69,7 +69,7 @@ class TrainingPeer:
         membership = run_membership(config, identity)
         self.dht = DHT(config.initial_peers, host=config.host, port=config.port, client_mode=config.client_mode,
                        announce_host=config.announce_host, identity=identity,
-                       validators=run_validators(config.run, identity),
+                       validators=run_validators(config.run, identity, config.byzantine),
                        p2p_options={"membership": membership, "route": RelayRoute.parse(config.route)
                                     if config.route else None})
         try:  # a model with remote experts finds them through the run's DHT

@@ -80,7 +80,7 @@ def expert_rules(exclude: Callable[[str], bool] = lambda key: False) -> list[Key
     ]
 
 
-def run_rules(run: str) -> list[KeyRule]:
+def run_rules(run: str, signed_matchmaking: bool = False) -> list[KeyRule]:
     """Every key of run ``run``: progress (``<run>.progress`` and, in a large run, the tree of keys
     under it: records and summaries) and state adverts (signed subkeys, one per peer), the
     averagers' matchmaking keys (``<run>_grad.mm.e<epoch>``, ``<run>_params.mm.d<dim>:<coords>``)
@@ -89,17 +89,23 @@ def run_rules(run: str) -> list[KeyRule]:
     matchmaking = re.compile(rf"{re.escape(run)}_[A-Za-z0-9_-]+\.mm\..+")
     progress = re.compile(rf"{re.escape(run)}\.progress(\.[0-9]+)*")
     state = re.compile(rf"{re.escape(run)}\.state(\.[0-9]+)*")
-    return [
+    rules = [
         KeyRule.regex(progress.pattern, f"progress keys of run {run!r}", value=ProgressRecord | ProgressSummaryRecord,
                       **owned),
         KeyRule.regex(state.pattern, f"state advert keys of run {run!r}", value=StateAdvert, **owned),
-        KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", value=MatchmakingDeclaration,
-                      **owned),
+        KeyRule.regex(matchmaking.pattern, f"matchmaking keys of run {run!r}", dictionary=True, subkey=str,
+                      value=MatchmakingDeclaration, allow_none=True),
         # a group key may be a number, and a progress or state key looks like an expert's name
         *expert_rules(exclude=lambda key: any(r.fullmatch(key) is not None for r in (matchmaking, progress, state))),
     ]
+    if signed_matchmaking:  # trainers that do not trust each other: one signed declaration per member and key
+        rules.append(KeyRule.regex(rf"{re.escape(run)}_(grad|params)\.mm\..+",
+                                   f"signed matchmaking keys of run {run!r}", value=MatchmakingDeclaration, **owned))
+    return rules
 
 
-def run_validators(run: str, identity: Identity) -> list[RecordValidator]:
-    """The validators of every DHT node of ``run``: owner signatures (made with ``identity``), the run's key rules."""
-    return [SignatureValidator(identity), SchemaValidator(rules=run_rules(run))]
+def run_validators(run: str, identity: Identity, byzantine: str = "off") -> list[RecordValidator]:
+    """The validators of every DHT node of ``run``: owner signatures (made with ``identity``), the run's key
+    rules; a run whose trainers do not trust each other (``byzantine`` clip or verify) takes only signed
+    matchmaking declarations for their groups."""
+    return [SignatureValidator(identity), SchemaValidator(rules=run_rules(run, byzantine != "off"))]

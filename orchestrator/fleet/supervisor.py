@@ -171,7 +171,8 @@ class SupervisorCore:
         port = int(port_file.read_text()) if port_file.exists() else 0
         membership = self.certifier.membership("supervisor", identity.peer_id, ("supervisor",)) \
             if self.certifier else None
-        options = dict(identity=identity, validators=run_validators(self.config.cluster_name, identity), host=listen,
+        options = dict(identity=identity, host=listen,
+                       validators=run_validators(self.config.cluster_name, identity, self.config.training.byzantine),
                        announce_host=announce_host(listen, self.config.network.announce_host),
                        p2p_options={"membership": membership})
         try:

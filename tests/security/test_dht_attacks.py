@@ -277,8 +277,7 @@ async def test_every_honest_writer_of_a_run_passes_its_rules(swarm):
     finally:
         await matchmaker.close()  # waits for the withdrawal to land
     got = await nodes[2].get(f"{RUN}_grad.mm.e1", latest=True)
-    assert {k: v.value for k, v in got.value.items()} == {matchmaker.subkey: None}
-    assert matchmaker.subkey.endswith(str(nodes[0].peer_id)) and matchmaker.subkey.startswith("[owner:")
+    assert {k: v.value for k, v in got.value.items()} == {str(nodes[0].peer_id): None}
     # a group below that will not come says so under the key above (averaging/grouped.py)
     matchmaker = Matchmaker(nodes[0], f"{RUN}_grad", [], "h", 4, target_group_size=2, min_group_size=2,
                             min_matchmaking_time=0.1, request_timeout=0.2, bandwidth=100.0)

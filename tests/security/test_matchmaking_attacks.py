@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import msgpack
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from averaging import DecentralizedAverager
 from averaging.load_balancing import SHARE_FACTOR, claims_within_reason, load_balanced_parts
 from dht import DHTNode
 from dht.validation import owner_marker
-from p2p import PeerID
+from p2p import Identity, PeerID
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,14 +57,14 @@ async def test_declared_leaders_that_never_answer_do_not_stop_the_group_forming(
 
 
 async def test_a_member_floods_a_key_with_declarations_in_any_name_and_only_its_own_counts():
-    """Issue 52: 1024 fake declarations stopped every group forming for the whole window.  Declarations
-    are signed subkeys ``[owner:<key>]<peer id>``: one member holds at most its share of a key, and of
-    what it writes only the declaration in its own name is read."""
+    """Issue 52: 1024 fake declarations stopped every group forming for the whole window.  Where members
+    are not trusted, declarations are signed subkeys ``[owner:<key>]<peer id>``: one member holds at most
+    its share of a key, and of what it writes only the declaration in its own name is read."""
     first = await DHTNode.create()
     nodes = [first] + [await DHTNode.create([str(first.address)]) for _ in range(3)]
     rogue = await DHTNode.create([str(first.address)])
     averagers = [DecentralizedAverager([torch.full((8,), float(i))], n, "mm", target_group_size=4,
-                                       min_matchmaking_time=5.0) for i, n in enumerate(nodes)]
+                                       min_matchmaking_time=5.0, byzantine="clip") for i, n in enumerate(nodes)]
     try:
         now = first.clock.now()
         marker = owner_marker(rogue.p2p.identity.public_key)
@@ -99,3 +100,26 @@ def test_a_huge_bandwidth_claim_buys_at_most_a_bounded_part():
     # honest declarations are left as they are
     assert claims_within_reason([50.0, 100.0, 150.0]) == [50.0, 100.0, 150.0]
     assert claims_within_reason([0.0, 0.0]) == [0.0, 0.0]
+
+
+def test_a_run_that_does_not_trust_its_trainers_refuses_unsigned_declarations():
+    from dht.routing import serialize_key
+    from dht.validation import DHTRecord, SchemaValidator, ValidationError
+    from workers.run_keys import run_validators
+
+    identity = Identity()
+
+    def schema(byzantine: str) -> SchemaValidator:
+        return next(v for v in run_validators("r", identity, byzantine) if isinstance(v, SchemaValidator))
+
+    def declaration(key: str, subkey: str) -> DHTRecord:
+        return DHTRecord(serialize_key(key), serialize_key(subkey),
+                         msgpack.packb({"a": None, "t": 1.0, "bw": 0.0, "h": ""}), 1e12)
+
+    bare, signed = str(identity.peer_id), owner_marker(identity.public_key) + str(identity.peer_id)
+    with pytest.raises(ValidationError, match="signed matchmaking keys"):
+        schema("verify").validate(declaration("r_grad.mm.e1", bare))
+    schema("verify").validate(declaration("r_grad.mm.e1", signed))
+    schema("off").validate(declaration("r_grad.mm.e1", bare))  # a trusted fleet's declarations cost no signature
+    # an expert host's own averaging keys are not a trainer's: they stay open
+    schema("verify").validate(declaration("r_xffn_0.mm.all", bare))
