@@ -73,6 +73,14 @@ def test_overlap_outside_diloco_is_an_error_naming_the_mode_and_in_diloco_reache
     assert load_cluster_config(path).worker_config([]).overlap is True
 
 
+def test_the_byzantine_level_reaches_the_workers_and_a_bad_one_is_named(tmp_path):
+    path = write(tmp_path, GOOD.replace("task: synthetic", "task: synthetic\n  byzantine: verify"))
+    assert load_cluster_config(path).worker_config([]).byzantine == "verify"
+    assert load_cluster_config(write(tmp_path, GOOD)).worker_config([]).byzantine == "off"
+    with pytest.raises(ConfigError, match=r"training.byzantine: Input should be 'off', 'clip' or 'verify'"):
+        load_cluster_config(write(tmp_path, GOOD.replace("task: synthetic", "task: synthetic\n  byzantine: paranoid")))
+
+
 def test_a_missing_field_and_a_bad_value_are_both_reported(tmp_path):
     path = write(tmp_path, GOOD.replace("cluster_name: t\n", "").replace("task: synthetic",
                                                                           "target_batch_size: 0"))
