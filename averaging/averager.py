@@ -239,8 +239,7 @@ class DecentralizedAverager:
             raise ValueError(f"{problem}: a weight must be finite, >= 0 and at most max_weight")
         async with self._lock:
             try:
-                self._weight_ratio = None if self.max_weight_ratio is None \
-                    else self.max_weight_ratio * weight_ratio_scale
+                self._weight_ratio = self.max_weight_ratio * weight_ratio_scale
                 return await self._step(weight, timeout, group_key, target_group_size, abort, min_group_size,
                                         patience, planned)
             finally:

@@ -429,7 +429,7 @@ class Matchmaker:
         if len(lead.followers) + 1 >= self._target or ctx.peer_id in lead.replies:
             return {"ok": False, "why": "group is full"}
         if ctx.peer_id in self._banned_now():
-            return {"ok": False, "why": "banned from this peer's groups: caught by an audit"}
+            return {"ok": False, "why": "banned from this peer's groups: caught cheating"}
         bandwidth = request.get("bw")
         address = request.get("a") if not ctx.remote_client_mode else None
         unit = request.get("u")

@@ -171,8 +171,6 @@ class P2P:
         self._handlers[method] = (handler, CallKind(kind))
         if roles is not None:
             self._roles[method] = frozenset(roles)
-        else:
-            self._roles.pop(method, None)
 
     def unregister(self, method: str) -> None:
         self._handlers.pop(method, None)

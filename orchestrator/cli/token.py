@@ -28,6 +28,18 @@ def _run_dir(target: str) -> tuple[Path, str]:
     return path, RunStore.read_config(path).cluster_name
 
 
+def _level_flag(run_dir: Path) -> str:
+    """The worker flag a volunteer needs to average with the run's trainers (their byzantine level), if any:
+    a peer of another level is dropped from every group by name."""
+    from orchestrator.runs.store import RunStore
+
+    try:
+        level = RunStore.read_config(run_dir).training.byzantine
+    except (OSError, ValueError):  # a run directory without its config: the level cannot be told
+        return ""
+    return f" --byzantine {level}" if level != "off" else ""
+
+
 def issue(args: argparse.Namespace) -> int:
     from orchestrator.fleet.authority import AUTHORITY_FILE, parse_duration, run_authority
     from p2p import Identity, PeerID
@@ -52,7 +64,8 @@ def issue(args: argparse.Namespace) -> int:
     expires = dt.datetime.fromtimestamp(cert.expires, dt.timezone.utc).isoformat(timespec="seconds")
     key_flag = f" --identity {key_path}" if key_path else " --identity <the key of that peer>"
     print(f"peer {peer_id} is a member of run {run!r} until {expires}; it joins with:\n"
-          f"  spotswarm worker --run {run}{key_flag} --membership-token <the token above> --initial-peers ...",
+          f"  spotswarm worker --run {run}{key_flag}{_level_flag(run_dir)} --membership-token <the token above> "
+          "--initial-peers ...",
           file=sys.stderr)
     return 0
 

@@ -119,6 +119,11 @@ def test_tokens_that_do_not_fit_are_clear_errors(tmp_path, capsys):
     assert not (tmp_path / "k").exists()  # nothing made for a token that was never issued
 
     authority = Authority.from_file(run_dir / "authority.key", "r")
+    # a volunteer's join line names the run's byzantine level: a peer of another level averages with nobody
+    (run_dir / "config.yaml").write_text("cluster_name: r\navailable_node_types: {small: {}}\n"
+                                         "training: {byzantine: verify}\n")
+    assert token_cli.issue(args) == 0
+    assert " --byzantine verify " in capsys.readouterr().err
     someone = Identity()
     token = authority.issue(someone.peer_id, 60).to_token()
     assert token_cli.show(argparse.Namespace(token=token)) == 0
