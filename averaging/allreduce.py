@@ -26,7 +26,9 @@ above the others' norms); a dropped sender is dropped for the rest of that part,
 where it was caught on.  A member whose declared weight is not finite, negative or over
 ``max_weight`` is dropped from every part by every member, since all apply that rule to the same
 group description.  Replies are checked too: a reducer's chunk that is malformed or not finite is
-refused, and the sender keeps its own values for that part.
+refused, and the sender keeps its own values for that part.  Where the group verifies, averaged
+chunks are held until the audit (``audit.py``) cleared their reducer, and only then written: our
+values stay in place, so a caught reducer's part needs no copy to go back to.
 
 This module is the round: the group, the calls between members, what each sends and receives, and
 how a round ends; the averaging itself is ``reduction.py``'s.
@@ -45,17 +47,18 @@ from typing import Any
 import torch
 
 from p2p import P2P, P2PError, PeerID
-from p2p.codecs import BadChunk, Codec, decode_into, encode
+from p2p.codecs import BadChunk, Codec, check_decodable, decode, decode_into, encode
 from p2p.waiting import wait_event
 
 from .audit import (
     Commitment,
     Secret,
     check_input,
+    check_manifest,
     chosen_chunk,
     close_enough,
     fetch_all,
-    input_statement,
+    manifest_statement,
     payload_digest,
     seed_of,
     values_digest,
@@ -182,7 +185,7 @@ class AllReduceRound:
                  codec: Codec, chunk_size: int, sender_timeout: float, window: int, *,
                  max_weight: float = DEFAULT_MAX_WEIGHT, norm_ratio: float | None = DEFAULT_NORM_RATIO,
                  max_weight_ratio: float | None = None, byzantine: Byzantine = Byzantine.OFF,
-                 finite: bool | None = None, snapshot: torch.Tensor | None = None) -> None:
+                 finite: bool | None = None) -> None:
         """``finite``: whether ``flat`` holds only finite values, where the caller already looked (the
         averager does, while matchmaking waits on the network); None: this round looks, before any byte
         is sent.  ``max_weight_ratio``: a member weighs at most this many times the group's median
@@ -201,6 +204,7 @@ class AllReduceRound:
         # a verified group's chunks are small (audits move whole chunks): as many bytes in flight as others
         self.window = capped_window(window if self.byzantine is not Byzantine.VERIFY else 1 << 10, chunk_size)
         self.bounds = part_bounds(group.part_sizes)
+        self._chunk_lists: dict[int, list[Chunk]] = {}
         self.outcome = AllReduceOutcome()
         me = group.my_index
         if group.weights[me] != weight:
@@ -225,12 +229,11 @@ class AllReduceRound:
         self.norm_ratio = norm_ratio
         self.reducer = Reducer(flat, self._chunks(me), senders, weight, dict(self.outcome.failed), sender_timeout,
                                 norm_ratio, self.byzantine) if end > start else None
-        # byzantine="verify": our chunks as we sent them (a caught reducer's part goes back to them), the
-        # commitments that came with each averaged chunk, our share of the audit's randomness
+        # byzantine="verify": averaged chunks held until their audit (a caught reducer's are never
+        # written), the commitments that came with them, our share of the audit's randomness
         self.verifying = self.byzantine is Byzantine.VERIFY
-        self.sent_copy = None
-        if self.verifying:
-            self.sent_copy = flat.flat.clone() if snapshot is None else snapshot.copy_(flat.flat)
+        self.held: dict[tuple[int, int], dict] = {}
+        self.manifests: dict[int, tuple[list[bytes], bytes]] = {}  # senders' signed chunk digests
         self.commitments: dict[tuple[int, int], Commitment | None] = {}
         self.secret = Secret()
         self.finished = asyncio.Event()  # run() returned: audits of our part may start
@@ -238,8 +241,11 @@ class AllReduceRound:
         self.commits: dict[int, bytes] = {}  # members' audit commits, as they came with the round's calls
         self.shown_to: set[PeerID] = set()  # members we showed our part's inputs to
     def _chunks(self, part: int) -> list[Chunk]:
-        start, end = self.bounds[part]
-        return self.flat.chunks(start, end, self.chunk_size, self.codec)
+        chunks = self._chunk_lists.get(part)
+        if chunks is None:
+            start, end = self.bounds[part]
+            chunks = self._chunk_lists[part] = self.flat.chunks(start, end, self.chunk_size, self.codec)
+        return chunks
 
     def _drop(self, index: int, reason: str) -> None:
         """Record why a peer was dropped; the first reason heard is the one kept."""
@@ -335,7 +341,11 @@ class AllReduceRound:
                         payload = await call.recv()
                         window.release()
                         # checked before it is written: a refused chunk leaves our values in place
-                        decode_into(payload, self.flat.flat[chunk.start:chunk.end])
+                        if self.verifying:  # written once its reducer passed the audit
+                            check_decodable(payload, chunk.end - chunk.start)
+                            self.held[j, received] = payload
+                        else:
+                            decode_into(payload, self.flat.flat[chunk.start:chunk.end])
                         if self.verifying:
                             self.commitments[j, received] = Commitment.from_wire(payload.get("m"))
                             if received == 0 and isinstance(payload.get("h"), bytes):
@@ -382,15 +392,24 @@ class AllReduceRound:
         return encode(chunk.codec, self.flat.flat[chunk.start:chunk.end])
 
     async def _send_chunks(self, call: Any, part: int, chunks: list[Chunk], window: asyncio.Semaphore) -> None:
+        signed = self._signed(part, chunks) if self.verifying else None
         for c, chunk in enumerate(chunks):
             await window.acquire()  # released when an averaged chunk comes back
-            payload = self._outgoing(chunk)
-            if self.verifying:  # our word for what we sent: the reducer shows it to auditors
-                statement = input_statement(self.group.group_id, part, c, payload_digest(payload))
-                payload = {**payload, "sig": self.p2p.identity.sign(statement)}
+            payload = self._outgoing(chunk) if signed is None else signed[c]
             await call.send(payload, end=c == len(chunks) - 1)  # the last one also ends our stream
             self.outcome.bytes_sent += _payload_bytes(payload)
         await call.done_writing()  # (only if there was no chunk)
+
+    def _signed(self, part: int, chunks: list[Chunk]) -> list[dict]:
+        """Our payloads for ``part``, the first carrying our signature on every chunk's digest: our word
+        for what we sent, which the reducer shows to auditors.  (Views of our buffer, which a verified
+        round leaves as it is until its audit.)"""
+        payloads = [self._outgoing(chunk) for chunk in chunks]
+        digests = [payload_digest(p) for p in payloads]
+        if payloads:
+            signature = self.p2p.identity.sign(manifest_statement(self.group.group_id, part, digests))
+            payloads[0] = {**payloads[0], "sig": signature, "dg": digests}
+        return payloads
 
     # ---- reducing side (one sender) ------------------------------------------------------------
     async def serve(self, sender: int, weight: Any, schema: Any, requests: Any, nonfinite: bool = False,
@@ -473,18 +492,24 @@ class AllReduceRound:
             reducer.fail(sender, f"{type(e).__name__}: {e}")
 
     def _add_signed(self, sender: int, c: int, payload: Any) -> None:
-        """A sender's chunk in a verified group: taken only with a signature that holds, so that we can
-        show auditors our senders' word for every input."""
+        """Take a verified group's chunk once it is the one its sender signed for."""
         assert self.reducer is not None
         if not isinstance(payload, dict):
             raise BadChunk("chunk payload must be a dict")
-        signature = payload.pop("sig", None)
-        problem = check_input(self.group.group_id, self.group.my_index, c, payload, signature,
-                              self.keys.get(sender), self.group.peer_ids[sender])
+        signature, digests = payload.pop("sig", None), payload.pop("dg", None)
+        if c == 0:
+            problem = check_manifest(self.group.group_id, self.group.my_index, len(self.reducer.chunks), digests,
+                                     signature, self.keys.get(sender), self.group.peer_ids[sender])
+            if problem is not None:
+                self.reducer.fail(sender, problem)
+                return
+            self.manifests[sender] = (digests, signature)
+        manifest = self.manifests.get(sender)
+        problem = "its first chunk was refused" if manifest is None else check_input(manifest[0], c, payload)
         if problem is not None:
             self.reducer.fail(sender, problem)
             return
-        self.reducer.add(sender, c, payload, signature)
+        self.reducer.add(sender, c, payload)
 
     # ---- audits (byzantine="verify"; audit.py) ---------------------------------------------------
     def _audited_members(self) -> dict[int, str]:
@@ -493,7 +518,17 @@ class AllReduceRound:
 
     async def audit(self, method: str, timeout: float) -> None:
         """After the round: draw the seed with the others, then recompute one chunk of every part we got
-        back.  A reducer caught is named in ``outcome.caught`` and its part reverted to our own values."""
+        back, and write the averages of the reducers it cleared.  A reducer caught is named in
+        ``outcome.caught``; its part keeps our own values.  An audit cut short writes nothing."""
+        try:
+            await self._audit(method, timeout)
+        except BaseException:
+            self.outcome.unaveraged.update(j for j, _ in self.held)
+            self.held.clear()
+            raise
+        self._write_held()
+
+    async def _audit(self, method: str, timeout: float) -> None:
         members = self._audited_members()
         missing = {i: a for i, a in members.items() if i not in self.commits}  # (a member we never exchanged with)
         fetched = await fetch_all(self.p2p, method, missing, {"g": self.group.group_id, "q": "commit"}, timeout)
@@ -517,14 +552,19 @@ class AllReduceRound:
             if evidence is not None:
                 self._convict(j, evidence)
 
+    def _write_held(self) -> None:
+        """Write the averaged chunks of every reducer the audit did not catch."""
+        for (j, c), payload in sorted(self.held.items()):
+            if j not in self.outcome.caught:
+                chunk = self._chunks(j)[c]
+                decode_into(payload, self.flat.flat[chunk.start:chunk.end])
+        self.held.clear()
+
     def _convict(self, j: int, evidence: str) -> None:
         logger.warning("reducer %d (%s) caught by its audit: %s", j, self.group.peer_ids[j], evidence)
         self.outcome.caught[j] = evidence
         self.outcome.failed[j] = f"part {j}: caught by its audit: {evidence}"
-        start, end = self.bounds[j]
-        assert self.sent_copy is not None
-        self.flat.flat[start:end].copy_(self.sent_copy[start:end])
-        self.outcome.unaveraged.add(j)
+        self.outcome.unaveraged.add(j)  # its averages are never written: our values stay
 
     async def _audit_part(self, method: str, j: int, c: int, timeout: float) -> str | None:
         """Why reducer j's chunk c is not the average of its inputs (evidence), or None if it is."""
@@ -557,7 +597,7 @@ class AllReduceRound:
         if commitment.own_weight not in (0.0, fair):
             return f"chunk {c}: it weighed its own values {commitment.own_weight:g}, not {fair:g}"
         before = {int(s): str(why)[:_MAX_REASON] for s, why in answer["before"]}
-        shown = {int(s): (p, sig, key) for s, p, sig, key in answer["in"]}
+        shown = {int(s): (p, digests, sig, key) for s, p, digests, sig, key in answer["in"]}
         senders = {k: (0.0 if k in self.weight_refused else self.weights[k]) for k in range(self.group.size) if k != j}
         excluded = {k: "weight" for k in self.weight_refused if k != j}
         for s, why in before.items():
@@ -571,8 +611,9 @@ class AllReduceRound:
                 continue
             if s not in shown:
                 return f"chunk {c}: it does not show member {s}'s input, nor says why it dropped it"
-            payload, signature, key = shown[s]
-            problem = check_input(self.group.group_id, j, c, payload, signature, key, self.group.peer_ids[s])
+            payload, digests, signature, key = shown[s]
+            problem = check_manifest(self.group.group_id, j, len(self._chunks(j)), digests, signature, key,
+                                     self.group.peer_ids[s]) or check_input(digests, c, payload)
             if problem is not None:
                 return f"chunk {c}: member {s}'s input as shown: {problem}"
             try:
@@ -584,7 +625,7 @@ class AllReduceRound:
         dropped = sorted(reducer.failed)
         if dropped != sorted(commitment.failed):
             return f"chunk {c}: it dropped members {commitment.failed}, its inputs drop {dropped}"
-        received = self.flat.flat[chunk.start:chunk.end]
+        received = decode(self.held[j, c], n)[0]
         if not close_enough(flat.flat, received):
             gap = float((flat.flat.double() - received.double()).norm())
             return (f"chunk {c}: the average it served is {gap:.3g} (L2) away from the average of the inputs "
@@ -618,6 +659,6 @@ class AllReduceRound:
         if own is None:
             raise ValueError(f"chunk {c} of our part was not averaged")
         before = reducer.before[c]
-        shown = [[s, payload, signature, self.keys.get(s)]
-                 for s, (payload, signature) in sorted(reducer.kept[c].items()) if s not in before]
+        shown = [[s, payload, *self.manifests[s], self.keys.get(s)]
+                 for s, payload in sorted(reducer.kept[c].items()) if s not in before]
         return {"own": own, "before": [[s, why[:_MAX_REASON]] for s, why in sorted(before.items())], "in": shown}

@@ -5,9 +5,10 @@ Why: a reducer decides what its part becomes, and nothing in a round tells its s
 average they got back is the average of what they sent.  BTARD-SGD (Gorbunov et al. 2022) checks a
 few randomly chosen parts per round; here:
 
-1. **Signed inputs.**  A sender signs every chunk it sends (``input_statement``: group, part, chunk
-   and the BLAKE3 hash of the payload) and the reducer checks the signature on arrival (a chunk that
-   does not verify drops its sender), so a reducer holds its senders' word for every input.
+1. **Signed inputs.**  A sender signs, once per part, the BLAKE3 hash of every chunk it sends
+   (``manifest_statement``: group, part and the digests, which come with the first chunk) and the
+   reducer checks the signature and every chunk's hash on arrival (a chunk that does not match drops
+   its sender), so a reducer holds its senders' word for every input.
 2. **Commitments.**  With every averaged chunk the reducer sends what else went in: the digest of
    its own values, its own weight and the senders it had dropped by then.
 3. **Joint randomness.**  Once its round is over, each member draws a secret, publishes its hash
@@ -49,6 +50,7 @@ AUDIT_CHUNK = 1 << 18
 # An average may differ from its recomputation by rounding (another torch build), never by more
 RECOMPUTE_TOLERANCE = 1e-4
 SECRET_BYTES = 16
+DIGEST_BYTES = 32  # BLAKE3's
 
 
 def payload_digest(payload: dict) -> bytes:
@@ -71,20 +73,31 @@ def values_digest(values: torch.Tensor) -> bytes:
     return blake3.blake3(values.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
 
 
-def input_statement(group_id: bytes, part: int, chunk: int, digest: bytes) -> bytes:
-    """What a sender signs for each chunk it sends."""
-    return b"spotswarm-avg-input" + group_id + part.to_bytes(4, "big") + chunk.to_bytes(4, "big") + digest
+def manifest_statement(group_id: bytes, part: int, digests: list[bytes]) -> bytes:
+    """What a sender signs, once per part: the digest of every chunk it sends, in order.  One signature
+    a part, not one a chunk: an Ed25519 signature and its check cost as much as hashing 100K floats."""
+    return (b"spotswarm-avg-inputs" + group_id + part.to_bytes(4, "big") + len(digests).to_bytes(4, "big")
+            + b"".join(digests))
 
 
-def check_input(group_id: bytes, part: int, chunk: int, payload: dict, signature: Any, public_key: Any,
-                sender: PeerID) -> str | None:
-    """Why a sender's signed chunk is refused, or None if its signature holds."""
+def check_manifest(group_id: bytes, part: int, chunks: int, digests: Any, signature: Any, public_key: Any,
+                   sender: PeerID) -> str | None:
+    """Why a sender's signed list of chunk digests is refused, or None if it holds."""
     if not isinstance(public_key, bytes) or PeerID.from_public_key(public_key) != sender:
         return "its public key is missing or not its peer id's"
-    if not isinstance(signature, bytes):
-        return f"chunk {chunk} is unsigned"
-    if not verify(public_key, signature, input_statement(group_id, part, chunk, payload_digest(payload))):
-        return f"chunk {chunk}'s signature does not verify"
+    if not isinstance(signature, bytes) or not isinstance(digests, list):
+        return "its chunks came without their signed digests"
+    if len(digests) != chunks or not all(isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in digests):
+        return f"its signed digests are not {chunks} digests of {DIGEST_BYTES} bytes"
+    if not verify(public_key, signature, manifest_statement(group_id, part, digests)):
+        return "the signature on its chunks' digests does not verify"
+    return None
+
+
+def check_input(digests: list[bytes], chunk: int, payload: dict) -> str | None:
+    """Why a chunk is not the one its sender signed for, or None."""
+    if payload_digest(payload) != digests[chunk]:
+        return f"chunk {chunk} is not the chunk its sender signed"
     return None
 
 

@@ -173,7 +173,6 @@ class DecentralizedAverager:
         node.p2p.register(self.outcome_method, self._rpc_outcome)
         self.audit_method = f"avg.audit.{prefix}"
         self._audits: OrderedDict[bytes, AllReduceRound] = OrderedDict()
-        self._sent: torch.Tensor | None = None  # see _snapshot
         if self.byzantine is Byzantine.VERIFY:
             node.p2p.register(self.audit_method, self._rpc_audit)
 
@@ -312,8 +311,7 @@ class DecentralizedAverager:
         round_ = self.round_class(self.node.p2p, self.method, group, self.flat, weight, codec,
                                   group.chunk_size, sender_timeout, self.window,
                                   max_weight=self.max_weight, norm_ratio=self.norm_ratio,
-                                  max_weight_ratio=self._weight_ratio, byzantine=byzantine, finite=finite,
-                                  snapshot=self._snapshot() if byzantine is Byzantine.VERIFY else None)
+                                  max_weight_ratio=self._weight_ratio, byzantine=byzantine, finite=finite)
         if round_.verifying:
             self._audits[group.group_id] = round_
             while len(self._audits) > AUDITS_KEPT:
@@ -391,12 +389,6 @@ class DecentralizedAverager:
         self.banned[peer] = time.monotonic() + self.ban_s
         self.ban_log.append({"peer": str(peer), "evidence": evidence[:500], "at": time.time(),
                              "group": group_id.hex()})
-
-    def _snapshot(self) -> torch.Tensor:
-        """The buffer a verified round copies our values into, reused from round to round."""
-        if self._sent is None:
-            self._sent = torch.empty_like(self.flat.flat)
-        return self._sent
 
     async def _rpc_audit(self, request: Any, ctx: CallContext) -> dict:
         """A member's audit of a recent verified round of ours (``audit.py``)."""

@@ -82,7 +82,7 @@ class Reducer:
         self.progress: dict[int, float] = {s: time.monotonic() for s in self.expected}
         # byzantine="verify": what went into each chunk, for members that audit it (``audit.py``)
         self.keeps = byzantine is Byzantine.VERIFY
-        self.kept: list[dict[int, tuple[dict, bytes]]] = [{} for _ in chunks]  # sender -> (payload, signature)
+        self.kept: list[dict[int, dict]] = [{} for _ in chunks]  # sender -> its payload (its signature: the round's)
         self.own_inputs: list[torch.Tensor | None] = [None] * len(chunks)
         self.before: list[dict[int, str]] = [{} for _ in chunks]  # senders dropped before the chunk completed
         self.commitments: list[Commitment | None] = [None] * len(chunks)
@@ -97,15 +97,14 @@ class Reducer:
         self.connected.add(sender)
         self.progress[sender] = time.monotonic()
 
-    def add(self, sender: int, c: int, payload: Any, signature: bytes = b"") -> None:
-        """Take sender's chunk c; raises BadChunk (the caller drops the sender) if it is refused.
-        ``signature``: the sender's over the chunk, kept for audits where the group verifies."""
+    def add(self, sender: int, c: int, payload: Any) -> None:
+        """Take sender's chunk c; raises BadChunk (the caller drops the sender) if it is refused."""
         if sender in self.failed:
             return
         chunk = self.chunks[c]
         values, magnitude = decode(payload, chunk.end - chunk.start)
         if self.keeps:
-            self.kept[c][sender] = (payload, signature)
+            self.kept[c][sender] = payload
         self.pending[c][sender] = (values, magnitude)
         self.arrived[c].add(sender)
         self.progress[sender] = time.monotonic()

@@ -211,13 +211,18 @@ def decode(payload: Any, n: int) -> tuple[torch.Tensor, float]:
     return values, magnitude
 
 
+def check_decodable(payload: Any, n: int) -> Codec:
+    """The payload's codec if it decodes to ``n`` finite values; raises MalformedChunk or NonFiniteChunk."""
+    codec = check(payload, n)
+    if not decodes_finite(codec, payload):
+        raise NonFiniteChunk(f"{codec.value} chunk decodes to non-finite values")
+    return codec
+
+
 def decode_into(payload: Any, out: torch.Tensor) -> None:
     """Decode a payload into ``out`` (float32, the chunk's destination); raises MalformedChunk or
     NonFiniteChunk, leaving ``out`` untouched, if the payload is malformed or not finite."""
-    codec = check(payload, out.numel())
-    if not decodes_finite(codec, payload):
-        raise NonFiniteChunk(f"{codec.value} chunk decodes to non-finite values")
-    _write(codec, payload, out.view(-1))
+    _write(check_decodable(payload, out.numel()), payload, out.view(-1))
 
 
 def _write(codec: Codec, payload: dict, out: torch.Tensor) -> None:

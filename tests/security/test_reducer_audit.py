@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 
 from averaging import DecentralizedAverager
 from averaging.allreduce import AllReduceRound
-from averaging.audit import Commitment
+from averaging.audit import Commitment, check_manifest, manifest_statement
+from averaging.partition import Chunk
+from p2p import Identity
 from tests.security.test_averaging_attacks import Round
 
 
@@ -52,6 +54,22 @@ class HidesItsInputs(AllReduceRound):
         if request.get("q") == "inputs":
             raise ValueError("not telling")
         return await super().answer_audit(request, caller, timeout)
+
+
+class SignsThenAlters(AllReduceRound):
+    """Signs the digests of its chunks, then sends its last chunk of every part doubled."""
+
+    def _signed(self, part: int, chunks: list[Chunk]) -> list[dict]:
+        payloads = super()._signed(part, chunks)
+        payloads[-1] = {**payloads[-1], "d": payloads[-1]["d"] * 2}
+        return payloads
+
+
+class SignsNothing(AllReduceRound):
+    def _signed(self, part: int, chunks: list[Chunk]) -> list[dict]:
+        payloads = super()._signed(part, chunks)
+        payloads[0] = {k: v for k, v in payloads[0].items() if k not in ("sig", "dg")}
+        return payloads
 
 
 async def cheat_once(swarm: Any, rogue_round: type[AllReduceRound], pattern: str) -> None:
@@ -135,6 +153,48 @@ async def test_a_member_that_averages_with_another_level_is_dropped_by_name(swar
     results = await game.run()
     for r in results[:3]:
         assert "byzantine=off, this group with verify" in r.excluded[other.peer_id]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("rogue_round", "pattern"), [(SignsThenAlters, "is not the chunk its sender signed"),
+                                                       (SignsNothing, "came without their signed digests")])
+async def test_a_sender_whose_chunks_are_not_what_it_signed_is_dropped_and_nobody_is_blamed(swarm, rogue_round,
+                                                                                            pattern):
+    """A reducer checks every chunk against its sender's signed digests as it arrives: the sender that
+    sends something else (which would otherwise frame its reducer at the audit) is dropped by name."""
+    game = Round(honest=3, attackers=1)
+    (rogue,) = await game.start(swarm, byzantine="verify")
+    rogue.round_class = rogue_round
+    results = await game.run()
+    for r in results[:3]:
+        assert r.group_size == 4 and not r.caught, r.excluded
+        assert set(r.excluded) == {rogue.peer_id} and pattern in r.excluded[rogue.peer_id], r.excluded
+    got = flat(game.averagers[0].tensors)
+    assert all(torch.equal(flat(a.tensors), got) for a in game.averagers[1:3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(digests=st.none() | st.integers() | st.lists(st.binary(min_size=30, max_size=33) | st.integers(), max_size=4),
+       signature=st.none() | st.binary(max_size=70), key=st.none() | st.binary(max_size=40))
+def test_signed_digests_from_the_wire_are_checked_without_raising(digests, signature, key):
+    identity = Identity()
+    problem = check_manifest(b"g" * 16, 1, 3, digests, signature, key, identity.peer_id)
+    assert isinstance(problem, str) and problem  # none of these is the sender's signature
+
+
+def test_signed_digests_hold_only_for_their_group_part_and_sender():
+    identity, other = Identity(), Identity()
+    digests = [bytes([i]) * 32 for i in range(3)]
+    signature = identity.sign(manifest_statement(b"g" * 16, 1, digests))
+    assert check_manifest(b"g" * 16, 1, 3, digests, signature, identity.public_key, identity.peer_id) is None
+    assert "does not verify" in check_manifest(b"h" * 16, 1, 3, digests, signature, identity.public_key,
+                                               identity.peer_id)
+    assert "does not verify" in check_manifest(b"g" * 16, 2, 3, digests, signature, identity.public_key,
+                                               identity.peer_id)
+    assert "not its peer id" in check_manifest(b"g" * 16, 1, 3, digests, signature, identity.public_key,
+                                               other.peer_id)
+    assert "not 4 digests" in check_manifest(b"g" * 16, 1, 4, digests, signature, identity.public_key,
+                                             identity.peer_id)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
