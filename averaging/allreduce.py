@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from p2p import P2P, P2PError, PeerID
-from p2p.codecs import BadChunk, Codec, check_decodable, decode, decode_into, encode
+from p2p.codecs import BadChunk, Codec, check_decodable, decode, decode_into, encode, write_checked
 from p2p.waiting import wait_event
 
 from .audit import (
@@ -61,7 +61,6 @@ from .audit import (
     manifest_statement,
     payload_digest,
     seed_of,
-    values_digest,
 )
 from .declarations import Declaration
 from .partition import MIN_CHUNK, Chunk, FlatTensors, chunk_size_problem, describe_mismatch, part_bounds
@@ -232,7 +231,7 @@ class AllReduceRound:
         # byzantine="verify": averaged chunks held until their audit (a caught reducer's are never
         # written), the commitments that came with them, our share of the audit's randomness
         self.verifying = self.byzantine is Byzantine.VERIFY
-        self.held: dict[tuple[int, int], dict] = {}
+        self.held: dict[tuple[int, int], tuple[Codec, dict]] = {}
         self.manifests: dict[int, tuple[list[bytes], bytes]] = {}  # senders' signed chunk digests
         self.commitments: dict[tuple[int, int], Commitment | None] = {}
         self.secret = Secret()
@@ -342,8 +341,7 @@ class AllReduceRound:
                         window.release()
                         # checked before it is written: a refused chunk leaves our values in place
                         if self.verifying:  # written once its reducer passed the audit
-                            check_decodable(payload, chunk.end - chunk.start)
-                            self.held[j, received] = payload
+                            self.held[j, received] = (check_decodable(payload, chunk.end - chunk.start), payload)
                         else:
                             decode_into(payload, self.flat.flat[chunk.start:chunk.end])
                         if self.verifying:
@@ -554,10 +552,10 @@ class AllReduceRound:
 
     def _write_held(self) -> None:
         """Write the averaged chunks of every reducer the audit did not catch."""
-        for (j, c), payload in sorted(self.held.items()):
+        for (j, c), (codec, payload) in sorted(self.held.items()):
             if j not in self.outcome.caught:
                 chunk = self._chunks(j)[c]
-                decode_into(payload, self.flat.flat[chunk.start:chunk.end])
+                write_checked(codec, payload, self.flat.flat[chunk.start:chunk.end])
         self.held.clear()
 
     def _convict(self, j: int, evidence: str) -> None:
@@ -591,8 +589,6 @@ class AllReduceRound:
         own = answer["own"]
         if not isinstance(own, torch.Tensor) or own.dtype != torch.float32 or own.shape != (n,):
             return f"chunk {c}: its own values are not {n} float32 numbers"
-        if values_digest(own) != commitment.own_digest:
-            return f"chunk {c}: its own values are not those it committed to"
         fair = 0.0 if j in self.weight_refused else self.weights[j]
         if commitment.own_weight not in (0.0, fair):
             return f"chunk {c}: it weighed its own values {commitment.own_weight:g}, not {fair:g}"
@@ -609,13 +605,16 @@ class AllReduceRound:
         for s in sorted(senders):
             if s in excluded:
                 continue
-            if s not in shown:
+            if s == self.group.my_index:  # what we sent, as we sent it: the reducer need not show it to us
+                payload = self._outgoing(chunk)
+            elif s not in shown:
                 return f"chunk {c}: it does not show member {s}'s input, nor says why it dropped it"
-            payload, digests, signature, key = shown[s]
-            problem = check_manifest(self.group.group_id, j, len(self._chunks(j)), digests, signature, key,
-                                     self.group.peer_ids[s]) or check_input(digests, c, payload)
-            if problem is not None:
-                return f"chunk {c}: member {s}'s input as shown: {problem}"
+            else:
+                payload, digests, signature, key = shown[s]
+                problem = check_manifest(self.group.group_id, j, len(self._chunks(j)), digests, signature, key,
+                                         self.group.peer_ids[s]) or check_input(digests, c, payload)
+                if problem is not None:
+                    return f"chunk {c}: member {s}'s input as shown: {problem}"
             try:
                 reducer.add(s, 0, payload)
             except BadChunk as e:
@@ -625,7 +624,7 @@ class AllReduceRound:
         dropped = sorted(reducer.failed)
         if dropped != sorted(commitment.failed):
             return f"chunk {c}: it dropped members {commitment.failed}, its inputs drop {dropped}"
-        received = decode(self.held[j, c], n)[0]
+        received = decode(self.held[j, c][1], n)[0]
         if not close_enough(flat.flat, received):
             gap = float((flat.flat.double() - received.double()).norm())
             return (f"chunk {c}: the average it served is {gap:.3g} (L2) away from the average of the inputs "
@@ -659,6 +658,7 @@ class AllReduceRound:
         if own is None:
             raise ValueError(f"chunk {c} of our part was not averaged")
         before = reducer.before[c]
+        auditor = self.group.peer_ids.index(caller)  # (its own input, it has)
         shown = [[s, payload, *self.manifests[s], self.keys.get(s)]
-                 for s, payload in sorted(reducer.kept[c].items()) if s not in before]
+                 for s, payload in sorted(reducer.kept[c].items()) if s not in before and s != auditor]
         return {"own": own, "before": [[s, why[:_MAX_REASON]] for s, why in sorted(before.items())], "in": shown}

@@ -9,19 +9,19 @@ few randomly chosen parts per round; here:
    (``manifest_statement``: group, part and the digests, which come with the first chunk) and the
    reducer checks the signature and every chunk's hash on arrival (a chunk that does not match drops
    its sender), so a reducer holds its senders' word for every input.
-2. **Commitments.**  With every averaged chunk the reducer sends what else went in: the digest of
-   its own values, its own weight and the senders it had dropped by then.
+2. **Commitments.**  With every averaged chunk the reducer sends what else went in: its own weight
+   and the senders it had dropped by then (``Commitment``).
 3. **Joint randomness.**  Once its round is over, each member draws a secret, publishes its hash
    (commit) and, once it holds everyone's hash, the secret (reveal).  The seed hashes every secret
    that matched its commit, so no member (a reducer least of all) knows before its averages are
    out which chunk of its part will be checked.
 4. **Recomputation.**  From the seed, every member picks one chunk of every other part and asks its
-   reducer for that chunk's inputs: each sender's signed payload and its own values.  It checks the
-   signatures and the commitment, runs the very reducer code on them (screen, clip, mean, codec)
-   and compares the result with what it received.  A reducer that does not answer, presents an
-   input its sender did not sign, or whose average is not the inputs' is caught: named in
-   ``StepResult.excluded`` with the evidence, its part reverted to our own values, and banned by the
-   averager.  Every honest member checks the same chunks, so honest members reach the same verdict.
+   reducer for that chunk's inputs: each other sender's signed payload and its own values.  It
+   checks the signatures and the commitment, runs the very reducer code on them (screen, clip,
+   mean, codec) and compares the result with what it received.  A reducer that does not answer,
+   presents an input its sender did not sign, or whose average is not the inputs' is caught: named
+   in ``StepResult.excluded`` with the evidence, its averages never written over our values, and
+   banned by the averager.  Every honest member checks the same chunks, so honest members reach the same verdict.
 
 A reducer that changes a fraction p of its part's chunks is caught in a round with probability at
 least p (one chunk drawn per part); one that changes them all, in the first round.
@@ -69,10 +69,6 @@ def payload_digest(payload: dict) -> bytes:
     return h.digest()
 
 
-def values_digest(values: torch.Tensor) -> bytes:
-    return blake3.blake3(values.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
-
-
 def manifest_statement(group_id: bytes, part: int, digests: list[bytes]) -> bytes:
     """What a sender signs, once per part: the digest of every chunk it sends, in order.  One signature
     a part, not one a chunk: an Ed25519 signature and its check cost as much as hashing 100K floats."""
@@ -103,24 +99,26 @@ def check_input(digests: list[bytes], chunk: int, payload: dict) -> str | None:
 
 @dataclass
 class Commitment:
-    """What a reducer says went into an averaged chunk besides its senders' chunks."""
+    """What a reducer says went into an averaged chunk besides its senders' chunks: its own weight and
+    whom it dropped.  Its own values need no commitment: whatever values it shows, the audit reruns
+    CenteredClip with them as one input among the part's, which bounds what any values can do; a
+    reducer that picked them after the seed could as well have picked them before."""
 
-    own_digest: bytes
     own_weight: float
     failed: list[int]
 
     def to_wire(self) -> list:
-        return [self.own_digest, self.own_weight, self.failed]
+        return [self.own_weight, self.failed]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Commitment | None:
-        if not isinstance(raw, list) or len(raw) != 3:
+        if not isinstance(raw, list) or len(raw) != 2:
             return None
-        digest, weight, failed = raw
-        if not isinstance(digest, bytes) or not isinstance(weight, (int, float)) or isinstance(weight, bool) \
+        weight, failed = raw
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) \
                 or not isinstance(failed, list) or not all(type(f) is int for f in failed):
             return None
-        return cls(digest, float(weight), list(failed))
+        return cls(float(weight), list(failed))
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 
 from p2p.codecs import FLOAT32_MAX, Codec, decode, decode_into, encode, norm
 
-from .audit import Commitment, values_digest
+from .audit import Commitment
 from .partition import Chunk, FlatTensors
 from .robust import Byzantine, clip_coefficients, squared_distances
 
@@ -155,9 +155,7 @@ class Reducer:
             decode_into(payload, view)  # keep exactly what the senders will decode
         self.encoded[c] = _owned(payload) if self.detached else payload
         if self.keeps:
-            own = self.own_inputs[c]
-            assert own is not None
-            self.commitments[c] = Commitment(values_digest(own), self.own_weight, sorted({*self.failed, *refused}))
+            self.commitments[c] = Commitment(self.own_weight, sorted({*self.failed, *refused}))
         self.done[c].set_result(None)
         for s, why in refused.items():
             self.fail(s, why)

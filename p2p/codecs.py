@@ -204,7 +204,7 @@ def decode(payload: Any, n: int) -> tuple[torch.Tensor, float]:
         values = payload["d"]
     else:
         values = torch.empty(n, dtype=torch.float32)
-        _write(codec, payload, values)
+        write_checked(codec, payload, values)
     magnitude = norm(values)
     if not math.isfinite(magnitude):
         raise NonFiniteChunk(f"{codec.value} chunk decodes to non-finite values")
@@ -222,10 +222,11 @@ def check_decodable(payload: Any, n: int) -> Codec:
 def decode_into(payload: Any, out: torch.Tensor) -> None:
     """Decode a payload into ``out`` (float32, the chunk's destination); raises MalformedChunk or
     NonFiniteChunk, leaving ``out`` untouched, if the payload is malformed or not finite."""
-    _write(check_decodable(payload, out.numel()), payload, out.view(-1))
+    write_checked(check_decodable(payload, out.numel()), payload, out.view(-1))
 
 
-def _write(codec: Codec, payload: dict, out: torch.Tensor) -> None:
+def write_checked(codec: Codec, payload: dict, out: torch.Tensor) -> None:
+    """Decode into ``out`` a payload that ``check_decodable`` passed (as ``codec``)."""
     data = payload["d"]
     if codec is Codec.NONE or codec in _CASTS:
         out.copy_(data)
