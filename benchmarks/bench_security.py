@@ -9,6 +9,7 @@ Measured side by side in one run, membership on against membership off:
   and the byzantine levels (clip, verify) against off, membership on;
 * members' attacks on averaging (issue 52's: a rogue reducer, a weight at the cap with large values, a
   claim of the whole vector, a leader rewriting weights) against each byzantine level;
+* matchmaking with 5 declared leaders whose sockets never answer, against none (4 honest members);
 * ``--training``: 4 collaborative workers, one attacking every round, against 4 honest ones.
 
 Then strangers: a member DHT node in its own process takes 10,000 hostile TCP connections (silent,
@@ -186,15 +187,17 @@ def measure_dht(authority: Authority, quick: bool) -> dict:
 
 # ---- all-reduce --------------------------------------------------------------------------------------
 def measure_allreduce(authority_path: str, quick: bool) -> dict:
-    """Membership off and on, and the byzantine levels (membership on) side by side, alternating."""
+    """Membership off and on, and the byzantine levels (membership on) side by side, alternating.  A
+    ratio is the median of each repetition's ratio of medians: the modes of one repetition ran within
+    seconds of each other, so a slow spell of this shared machine weighs on both sides of a ratio."""
     from bench_allreduce import PeerSet
 
     size = 10_000_000  # the hot path's size: smaller rounds are too short to compare on a noisy machine
-    rounds, reps = (2, 2) if quick else (3, 5)
+    rounds, reps = (2, 2) if quick else (3, 8)
     sets: dict[str, PeerSet] = {}
     members = ["--membership-authority", authority_path, "--membership-run", RUN]
     modes = {"off": [], "on": members, **{m: [*members, "--byzantine", m] for m in BYZANTINE_MODES}}
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    times: dict[str, list[list[float]]] = {mode: [] for mode in modes}  # per repetition
     errors: list[str] = []
     try:
         for mode, extra in modes.items():
@@ -203,21 +206,81 @@ def measure_allreduce(authority_path: str, quick: bool) -> dict:
             for mode, peers in sets.items():
                 run = peers.run(range(4), rounds, prefix=f"{mode}{rep}")
                 errors += [f"{mode}: {e}" for e in run.errors]
-                times[mode] += [r["round"] for r in run.rounds if r["ok"]]
+                times[mode].append([r["round"] for r in run.rounds if r["ok"]])
     except ChildFailed as e:
         errors.append(str(e))
     finally:
         for peers in sets.values():
             peers.close()
     out: dict = {"allreduce_size": size, "allreduce_errors": errors[:5]}
-    if times["off"] and times["on"]:
-        off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        out.update(allreduce_off_s=off, allreduce_on_s=on, membership_allreduce_ratio=on / off)
-        for mode in BYZANTINE_MODES:
-            if times[mode]:
-                out[f"allreduce_{mode}_s"] = statistics.median(times[mode])
-                out[f"byzantine_{mode}_allreduce_ratio"] = out[f"allreduce_{mode}_s"] / on
+
+    def ratio(mode: str, base: str) -> float | None:
+        pairs = [statistics.median(a) / statistics.median(b) for a, b in zip(times[mode], times[base], strict=False)
+                 if a and b]
+        return statistics.median(pairs) if pairs else None
+
+    for mode, rounds_of in times.items():
+        if any(rounds_of):
+            out[f"allreduce_{mode}_s"] = statistics.median(t for rep in rounds_of for t in rep)
+    out["membership_allreduce_ratio"] = ratio("on", "off")
+    for mode in BYZANTINE_MODES:
+        out[f"byzantine_{mode}_allreduce_ratio"] = ratio(mode, "on")
     return out
+
+
+# ---- silent leaders ---------------------------------------------------------------------------------
+async def _silent_leaders(rounds: int) -> dict:
+    """How long 4 members take to form their group, with 5 declarations of silent leaders made before
+    theirs (each would be tried first) and without."""
+    import torch
+
+    from averaging import DecentralizedAverager
+    from dht import DHTNode
+    from dht.validation import owner_marker
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    first = await DHTNode.create()
+    nodes = [first] + [await DHTNode.create([str(first.address)]) for _ in range(3)]
+    rogues = [await DHTNode.create([str(first.address)]) for _ in range(5)]
+    times: dict[str, list[float]] = {"none": [], "silent": []}
+    averagers: list[DecentralizedAverager] = []
+    try:
+        for r in range(rounds):
+            for case in ("none", "silent"):
+                prefix = f"{case}{r}"
+                averagers = [DecentralizedAverager([torch.zeros(8)], n, prefix, target_group_size=4,
+                                                   min_matchmaking_time=5.0) for n in nodes]
+                if case == "silent":
+                    now = first.clock.now()
+                    for rogue in rogues:
+                        subkey = owner_marker(rogue.p2p.identity.public_key) + str(rogue.peer_id)
+                        await rogue.store(f"{prefix}.mm.all", {"a": f"{rogue.peer_id}@127.0.0.1:{port}", "t": now - 60,
+                                                               "bw": 100.0, "h": ""}, now + 60, subkey=subkey)
+                results = await asyncio.gather(*(a.step(timeout=10.0) for a in averagers))
+                assert [x.group_size for x in results] == [4] * 4, "a group did not form"
+                times[case].append(max(x.matchmaking_time for x in results))
+                for a in averagers:
+                    await a.shutdown()
+                averagers = []
+    finally:
+        for a in averagers:
+            await a.shutdown()
+        for w in held:
+            w.close()
+        server.close()
+        await asyncio.gather(*(n.shutdown() for n in reversed(rogues + nodes)))
+    none, silent = statistics.median(times["none"]), statistics.median(times["silent"])
+    return {"matchmaking_no_silent_leaders_s": none, "matchmaking_5_silent_leaders_s": silent}
+
+
+def measure_silent_leaders(quick: bool) -> dict:
+    return uvloop.run(asyncio.wait_for(_silent_leaders(2 if quick else 5), CHILD_LIMIT_S))
 
 
 # ---- members' attacks on averaging -------------------------------------------------------------------
@@ -379,6 +442,7 @@ def main() -> None:
         figures.update(guarded("dht", measure_dht, authority, args.quick))
         figures.update(guarded("allreduce", measure_allreduce, authority_path, args.quick))
         figures.update(guarded("attacks", measure_attacks, args.quick))
+        figures.update(guarded("silent_leaders", measure_silent_leaders, args.quick))
         count = args.hostile or (2000 if args.quick else 10_000)
         figures.update(guarded("hostile", measure_hostile, authority_path, authority, count))
     print_figures(figures)
@@ -402,6 +466,8 @@ def print_figures(f: dict) -> None:
          "<= 1.15"),
         ("  byzantine=verify / off (s)",
          f"{fmt('allreduce_verify_s')}; ratio {fmt('byzantine_verify_allreduce_ratio')}", "<= 1.5"),
+        ("group of 4 formed (s), no / 5 silent leaders",
+         f"{fmt('matchmaking_no_silent_leaders_s')} / {fmt('matchmaking_5_silent_leaders_s')}", ""),
         (f"memory growth, {f.get('hostile_connections', 0):,} hostile conns (MB)", fmt("hostile_mem_growth_mb", 1),
          "<= 64"),
         ("node serves a member afterwards", str(f.get("served_after_attack", "-")), "True"),

@@ -56,6 +56,33 @@ async def test_declared_leaders_that_never_answer_do_not_stop_the_group_forming(
         await asyncio.gather(*(n.shutdown() for n in reversed(rogues + nodes)))
 
 
+async def test_a_silent_leader_is_skipped_once_live_candidates_answered_not_after_the_timeout():
+    from averaging.leader_probe import LeaderProbes
+    from p2p import P2P
+
+    honest = [await P2P.create() for _ in range(3)]
+    me = await P2P.create()
+    server, held = await silent_socket()
+    silent = (PeerID(os.urandom(32)), f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    probes = LeaderProbes(me.connect, timeout=30.0)
+    loop = asyncio.get_running_loop()
+    try:
+        probes.start([silent, *((p.peer_id, str(p.address)) for p in honest)])
+        started = loop.time()
+        assert not await probes.answers(*silent)
+        waited = loop.time() - started
+        assert all([await probes.answers(p.peer_id, str(p.address)) for p in honest])
+        assert waited < 5.0  # the answering candidates set the bar (0.1 s here), not the 30-s timeout
+    finally:
+        await probes.close()
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
+        for p in [me, *honest]:
+            await p.shutdown()
+
+
 async def test_a_member_floods_a_key_with_declarations_in_any_name_and_only_its_own_counts():
     """Issue 52: 1024 fake declarations stopped every group forming for the whole window.  Where members
     are not trusted, declarations are signed subkeys ``[owner:<key>]<peer id>``: one member holds at most
