@@ -60,7 +60,7 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     except cluster.ResumeError as e:
         print(f"spotswarm {command}: {e}; nothing started", file=sys.stderr)
         return 2
-    except ArchiveError as e:  # S3 refused (no bucket, access denied) or kept failing
+    except ArchiveError as e:  # the archive refused (no bucket, access denied) or kept failing
         print(f"spotswarm {command}: {e}", file=sys.stderr)
         return 1
 

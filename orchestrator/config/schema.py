@@ -23,10 +23,10 @@ from orchestrator.config.loader import Loc, ModelFlags
 from orchestrator.config.validators import (
     NAMESPACE,
     AnnounceHost,
+    ArchiveUri,
     EndpointUrl,
     Host,
     RayAddress,
-    S3Uri,
     split_zones,
 )
 from p2p.devices import DeviceName
@@ -326,8 +326,11 @@ class CheckpointConfig(_Strict):
     keep: int = pydantic.Field(3, ge=1)
     # a clean stop's final checkpoint waits this long (real seconds) for a live peer's newest state
     final_timeout_s: float = pydantic.Field(60.0, gt=0, le=3600)
-    uri: S3Uri | None = None  # s3://bucket[/prefix]: checkpoints also go to object storage
-    endpoint_url: EndpointUrl | None = None  # an S3-compatible endpoint other than AWS's (tests: moto)
+    # s3://bucket[/prefix], gs://bucket[/prefix] or an absolute path: the run's history and checkpoints
+    # also go there, and a new head resumes from them
+    uri: ArchiveUri | None = None
+    # an S3-compatible endpoint other than AWS's (tests: moto), or a Cloud Storage emulator for gs://
+    endpoint_url: EndpointUrl | None = None
 
 
 class DashboardConfig(_Strict):

@@ -74,16 +74,29 @@ def check_endpoint_url(value: str) -> str:
 
 
 _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_GCS_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 
 
-def check_s3_uri(value: str) -> str:
-    """``s3://bucket`` or ``s3://bucket/prefix``, with S3's bucket naming rules."""
-    if not value.startswith("s3://"):
-        raise ValueError(f"{value!r}: only s3:// URIs are supported, e.g. s3://my-bucket/runs")
-    bucket, _, prefix = value.removeprefix("s3://").partition("/")
-    if not _S3_BUCKET.fullmatch(bucket):
-        raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name (3 to 63 lowercase letters, digits, "
-                         "dots and hyphens, starting and ending with a letter or digit)")
+def check_archive_uri(value: str) -> str:
+    """``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` (each with its store's bucket naming rules), or
+    an absolute path (``file://`` too): where a run's history and checkpoints outlive its head."""
+    if "://" not in value:
+        if not (value.startswith("/") or value.startswith("~")):
+            raise ValueError(f"{value!r}: an archive directory must be an absolute path (or s3://bucket/prefix, "
+                             "gs://bucket/prefix)")
+        return value
+    scheme, _, rest = value.partition("://")
+    if scheme == "file":
+        return value
+    rules = {"s3": (_S3_BUCKET, "an S3 bucket name (3 to 63 lowercase letters, digits, dots and hyphens"),
+             "gs": (_GCS_BUCKET, "a Cloud Storage bucket name (3 to 63 lowercase letters, digits, dots, hyphens "
+                                 "and underscores")}
+    if scheme not in rules:
+        raise ValueError(f"{value!r}: archives are s3://bucket/prefix, gs://bucket/prefix or an absolute path")
+    bucket, _, prefix = rest.partition("/")
+    pattern, what = rules[scheme]
+    if not pattern.fullmatch(bucket):
+        raise ValueError(f"{value!r}: {bucket!r} is not {what}, starting and ending with a letter or digit)")
     if not prefix.isprintable():
         raise ValueError(f"{value!r}: the key prefix has a control character")
     return value
@@ -106,7 +119,7 @@ Host = Annotated[str, pydantic.AfterValidator(check_host)]
 AnnounceHost = Annotated[str, pydantic.AfterValidator(check_announce_host)]
 RayAddress = Annotated[str, pydantic.AfterValidator(check_ray_address)]
 EndpointUrl = Annotated[str, pydantic.AfterValidator(check_endpoint_url)]
-S3Uri = Annotated[str, pydantic.AfterValidator(check_s3_uri)]
+ArchiveUri = Annotated[str, pydantic.AfterValidator(check_archive_uri)]
 
 
 def split_zones(value: str) -> list[str]:

@@ -1,16 +1,20 @@
-"""Durable run state in S3: a run whose head machine vanishes (an AWS spot head, a lost disk) can be
-resumed anywhere from ``checkpoint.uri``.
+"""Durable run state in object storage: a run whose head machine vanishes (a spot head, a lost disk)
+can be resumed anywhere from ``checkpoint.uri``.
 
-Layout under ``s3://bucket/prefix``: ``history/run.sqlite`` (a consistent snapshot of the run
-store), ``history/config.yaml``, ``checkpoints/<name>`` (the newest ``checkpoint.keep``) and, for a
-mixture-of-experts run, ``experts/<uid>.pt`` (each expert's newest state).  The
-local run directory stays the working copy; the archive is what survives the machine.  boto3 is an
-optional extra (``spotswarm[aws]``), imported only when an archive is used.
+Layout under ``checkpoint.uri`` (``s3://bucket/prefix``, ``gs://bucket/prefix`` or a directory):
+``history/run.sqlite`` (a consistent snapshot of the run store), ``history/config.yaml``,
+``checkpoints/<name>`` (the newest ``checkpoint.keep``) and, for a mixture-of-experts run,
+``experts/<uid>.pt`` (each expert's newest state).  The local run directory stays the working copy;
+the archive is what survives the machine.  Every store goes through one interface, fsspec: s3fs for
+S3 (the extra ``spotswarm[aws]``), gcsfs for Cloud Storage (``spotswarm[gcp]``), imported only when
+an archive of theirs is used.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import sqlite3
 import tempfile
@@ -34,30 +38,34 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HISTORY_FILES = ("config.yaml", "run.sqlite")  # run.sqlite last: its presence marks a complete archive
-THROTTLING = {"Throttling", "ThrottlingException", "ThrottledException", "SlowDown", "RequestLimitExceeded",
-              "TooManyRequests", "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
-              "ProvisionedThroughputExceededException", "BandwidthLimitExceeded", "InternalError",
-              "ServiceUnavailable"}
-NO_BUCKET = {"NoSuchBucket"}
-DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
-          "AccountProblem", "InvalidToken", "ExpiredToken"}
+# where a store's own client has retried already, these still get ours: a connection dropped or timed out
+# (s3fs: SlowDown and 503 are EBUSY, 500 EREMOTEIO)
+TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EBUSY,
+                    errno.EAGAIN, errno.EREMOTEIO}
+STORES = {"s3": ("s3fs", "aws", "S3"), "gs": ("gcsfs", "gcp", "Cloud Storage")}
 _EPOCH_NAME = re.compile(r"epoch-(\d+)\.pt$")
 
 
 class ArchiveError(RuntimeError):
-    """S3 refused or failed for good (missing bucket, access denied, retries spent); names the URI."""
+    """The store refused or failed for good (missing bucket, access denied, retries spent); names the URI."""
 
 
 class ArchiveMissing(ArchiveError):
     """The bucket is there but holds no archived run under the prefix."""
 
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (the prefix may be empty)."""
-    match = re.fullmatch(r"s3://([^/]+)/?(.*)", uri)
-    if not match:
-        raise ValueError(f"{uri!r} is not an S3 URI (s3://bucket/prefix)")
-    return match.group(1), match.group(2).strip("/")
+def split_uri(uri: str) -> tuple[str, str, str]:
+    """``s3://bucket/some/prefix`` -> ``("s3", "bucket", "some/prefix")``; a local path -> ``("file", "",
+    its absolute path)``."""
+    match = re.fullmatch(r"([a-z0-9]+)://([^/]*)/?(.*)", uri)
+    if match is None:
+        return "file", "", str(Path(uri).expanduser().resolve())
+    scheme, bucket, prefix = match.groups()
+    if scheme == "file":
+        return "file", "", str(Path("/" + "/".join(p for p in (bucket, prefix) if p)).resolve())
+    if scheme not in STORES or not bucket:
+        raise ValueError(f"{uri!r} is not an archive URI: s3://bucket[/prefix], gs://bucket[/prefix] or a path")
+    return scheme, bucket, prefix.strip("/")
 
 
 def checkpoint_epoch(name: str) -> int | None:
@@ -71,49 +79,53 @@ def _newest_first(names: list[str]) -> list[str]:
                   reverse=True)
 
 
-def _error_code(error: BaseException) -> tuple[str, int]:
-    """(code, HTTP status) of a botocore ClientError, also when boto3's transfer layer wrapped it."""
-    from botocore.exceptions import ClientError
-
-    if not isinstance(error, ClientError) and isinstance(error.__context__, ClientError):
-        error = error.__context__  # S3UploadFailedError keeps the ClientError only as its context
-    if not isinstance(error, ClientError):
-        return "", 0
-    return str(error.response.get("Error", {}).get("Code", "")), int(
-        error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-
-
 def is_transient(error: BaseException) -> bool:
-    """Worth another try: throttling, 5xx, a dropped or timed-out connection."""
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import HTTPClientError
-
-    if isinstance(error, BotoConnectionError | HTTPClientError):
+    """Worth another try: a connection dropped, refused or timed out, a store asking to slow down."""
+    if isinstance(error, ConnectionError | TimeoutError):
         return True
-    code, status = _error_code(error)
-    return code in THROTTLING or status >= 500
+    return isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS
 
 
-def _s3_client(endpoint_url: str | None) -> Any:
+def open_filesystem(uri: str, endpoint_url: str | None = None) -> Any:
+    """The fsspec filesystem of ``uri``'s store.  ``endpoint_url``: an S3-compatible endpoint (moto,
+    MinIO), or for ``gs://`` a Cloud Storage emulator, spoken to without credentials."""
+    scheme, _, _ = split_uri(uri)
+    if scheme == "file":
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem(auto_mkdir=True)
+    module, extra, _ = STORES[scheme]
     try:
-        import boto3
-        from botocore.config import Config
+        __import__(module)
     except ImportError as e:
-        raise ArchiveError("checkpoint.uri needs boto3: pip install 'spotswarm[aws]'") from e
-    # retries are ours (bounded, with jitter, with a clear error at the end), not botocore's as well
-    config = Config(retries={"mode": "standard", "total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+        raise ArchiveError(f"checkpoint.uri {uri} needs {module}: pip install 'spotswarm[{extra}]'") from e
+    if scheme == "s3":
+        import s3fs
+
+        # listings are read fresh each time: another head may have written since
+        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
+                                 client_kwargs={"endpoint_url": endpoint_url} if endpoint_url else {},
+                                 config_kwargs={"connect_timeout": 10, "read_timeout": 60})
+    # gcsfs's JSON-API filesystem: the archive is flat objects, and its newer default also asks a gRPC
+    # control plane about each bucket's layout first (a minute per call where none answers: an emulator)
+    from gcsfs.core import GCSFileSystem
+
+    emulator = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST")
+    options: dict[str, Any] = {"endpoint_url": emulator, "token": "anon"} if emulator else {}
+    return GCSFileSystem(skip_instance_cache=True, cache_timeout=0, **options)
 
 
 class RunArchive:
-    """A run's history and newest checkpoints in S3 (or an S3-compatible store at ``endpoint_url``)."""
+    """A run's history and newest checkpoints in S3, Cloud Storage or a directory."""
 
-    def __init__(self, uri: str, endpoint_url: str | None = None, keep: int = 3, client: Any = None,
+    def __init__(self, uri: str, endpoint_url: str | None = None, keep: int = 3, fs: Any = None,
                  attempts: int = 5, wait: tenacity.wait.wait_base | None = None) -> None:
         self.uri = uri.rstrip("/")
-        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.scheme, self.bucket, prefix = split_uri(self.uri)
+        self.root = "/".join(p for p in (self.bucket, prefix) if p) if self.scheme != "file" else prefix
+        self.store = STORES[self.scheme][2] if self.scheme in STORES else "the archive directory"
         self.keep = keep
-        self.client = client if client is not None else _s3_client(endpoint_url)
+        self.fs = fs if fs is not None else open_filesystem(self.uri, endpoint_url)
         self.attempts = attempts
         self.wait = wait if wait is not None else CLOUD_BACKOFF
 
@@ -125,12 +137,12 @@ class RunArchive:
             return None
         return cls(checkpoint.uri, endpoint_url=checkpoint.endpoint_url, keep=checkpoint.keep)
 
-    # ---- S3 calls ------------------------------------------------------------------------------
-    def key(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
+    # ---- store calls ---------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        return "/".join(p for p in (self.root, *parts) if p)
 
     def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """One S3 call, retried through throttling and 5xx; anything else is an ArchiveError."""
+        """One store call, retried through transient failures; anything else is an ArchiveError."""
         retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(is_transient), wait=self.wait,
                                      stop=tenacity.stop_after_attempt(self.attempts), reraise=True)
         try:
@@ -141,46 +153,77 @@ class RunArchive:
             raise self._explain(what, e) from e
 
     def _explain(self, what: str, error: Exception) -> ArchiveError:
-        code, status = _error_code(error)
-        if code in NO_BUCKET:
+        if isinstance(error, FileNotFoundError) and self.bucket and not self._bucket_exists():
             return ArchiveError(f"{self.uri}: the bucket {self.bucket!r} does not exist ({what})")
-        if code in DENIED or status == 403:
-            return ArchiveError(f"{self.uri}: access denied ({what}); check the credentials and the bucket policy")
+        if isinstance(error, PermissionError):
+            return ArchiveError(f"{self.uri}: access denied ({what}); check the credentials and the bucket's "
+                                "permissions")
         if is_transient(error):
-            return ArchiveError(f"{self.uri}: S3 still failing after {self.attempts} attempts ({what}): {error}")
-        return ArchiveError(f"{self.uri}: {what} failed: {error}")
+            return ArchiveError(f"{self.uri}: {self.store} still failing after {self.attempts} attempts ({what}): "
+                                f"{error}")
+        return ArchiveError(f"{self.uri}: {what} failed: {type(error).__name__}: {error}")
+
+    def _bucket_exists(self) -> bool:
+        try:
+            return bool(self.fs.exists(self.bucket))
+        except Exception:  # noqa: BLE001 - a store that cannot say: the original error stands
+            return True
 
     def _list(self, folder: str) -> list[str]:
-        """Names of the objects directly under ``<prefix>/<folder>/``."""
-        base = self.key(folder) + "/"
+        """Names of the objects directly under ``<root>/<folder>/``."""
+        base = self.path(folder)
 
-        def pages() -> list[str]:
-            names: list[str] = []
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                names += [o["Key"][len(base):] for o in page.get("Contents", [])]
-            return [n for n in names if n and "/" not in n]
+        def names() -> list[str]:
+            try:
+                found = self.fs.ls(base, detail=True)
+            except FileNotFoundError:  # no such folder yet (a missing bucket is told apart by _explain)
+                if self.bucket and not self._bucket_exists():
+                    raise
+                return []
+            return [Path(e["name"]).name for e in found if e.get("type") == "file"]
 
-        return self._call(f"listing {base}", pages)
+        return self._call(f"listing {base}/", names)
 
-    def _upload(self, path: Path, key: str) -> None:
-        self._call(f"uploading {path.name}", self.client.upload_file, str(path), self.bucket, key)
+    def _upload(self, path: Path, target: str) -> None:
+        self._call(f"uploading {path.name}", self.fs.put_file, str(path), target)
 
-    def _download(self, key: str, path: Path) -> None:
+    def _download(self, source: str, path: Path) -> None:
         """Into a side file first: a broken download never looks like a restored file."""
         part = path.with_name(path.name + ".download")
-        self._call(f"downloading {key}", self.client.download_file, self.bucket, key, str(part))
+        self._call(f"downloading {source}", self.fs.get_file, source, str(part))
         part.replace(path)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """A small document (``name``: a path under the archive's root)."""
+        self._call(f"writing {name}", self.fs.pipe_file, self.path(name), data)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """A small document, or None where there is none."""
+        def read() -> bytes | None:
+            try:
+                return self.fs.cat_file(self.path(name))
+            except FileNotFoundError:
+                if self.bucket and not self._bucket_exists():
+                    raise
+                return None
+
+        return self._call(f"reading {name}", read)
+
+    def check_writable(self) -> None:
+        """Write and delete a probe object: an archive that is missing or read-only fails here, with its
+        reason, before anything is launched."""
+        probe = f"probe-{os.getpid()}-{time.time_ns()}"
+        self.write_bytes(probe, b"spotswarm")
+        self._call(f"deleting {probe}", self.fs.rm_file, self.path(probe))
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
         """Upload a checkpoint file, then keep only the newest ``keep`` in the archive."""
         path = Path(path)
-        self._upload(path, self.key("checkpoints", path.name))
+        self._upload(path, self.path("checkpoints", path.name))
         stale = _newest_first(self._list("checkpoints"))[self.keep:]
         if stale:
-            objects = [{"Key": self.key("checkpoints", n)} for n in stale]
-            self._call("pruning old checkpoints", self.client.delete_objects, Bucket=self.bucket,
-                       Delete={"Objects": objects, "Quiet": True})
+            self._call("pruning old checkpoints", self.fs.rm, [self.path("checkpoints", n) for n in stale])
 
     def checkpoints(self) -> list[str]:
         """Archived checkpoint names, newest first."""
@@ -190,7 +233,7 @@ class RunArchive:
         """Upload the expert checkpoints of a mixture-of-experts run (``<uid>.pt``, one per expert,
         each replaced by its newer state)."""
         for path in sorted(Path(directory).glob("*.pt")):
-            self._upload(path, self.key("experts", path.name))
+            self._upload(path, self.path("experts", path.name))
 
     # ---- history -------------------------------------------------------------------------------
     def save_history(self, store: RunStore | Path) -> None:
@@ -206,7 +249,7 @@ class RunArchive:
             sources = {"config.yaml": run_dir / "config.yaml", "run.sqlite": snapshot}
             for name in HISTORY_FILES:
                 if sources[name].exists():
-                    self._upload(sources[name], self.key("history", name))
+                    self._upload(sources[name], self.path("history", name))
 
     def has_history(self) -> bool:
         return "run.sqlite" in self._list("history")
@@ -222,19 +265,19 @@ class RunArchive:
         if (run_dir / "run.sqlite").exists():
             raise FileExistsError(f"{run_dir} already holds a run; not overwriting it from {self.uri}")
         if not self.has_history():
-            raise ArchiveMissing(f"{self.uri}: no archived run there (no {self.key('history', 'run.sqlite')})")
+            raise ArchiveMissing(f"{self.uri}: no archived run there (no {self.path('history', 'run.sqlite')})")
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         newest = next(iter(self.checkpoints()), None)
         if newest is not None:
-            self._download(self.key("checkpoints", newest), run_dir / "checkpoints" / newest)
+            self._download(self.path("checkpoints", newest), run_dir / "checkpoints" / newest)
         experts = [name for name in self._list("experts") if name.endswith(".pt")]
         if experts:
             (run_dir / "checkpoints" / "experts").mkdir(exist_ok=True)
         for name in experts:  # a mixture-of-experts run's experts resume from these
-            self._download(self.key("experts", name), run_dir / "checkpoints" / "experts" / name)
-        self._download(self.key("history", "config.yaml"), run_dir / "config.yaml")
+            self._download(self.path("experts", name), run_dir / "checkpoints" / "experts" / name)
+        self._download(self.path("history", "config.yaml"), run_dir / "config.yaml")
         staged = run_dir / "run.sqlite.restore"
-        self._download(self.key("history", "run.sqlite"), staged)
+        self._download(self.path("history", "run.sqlite"), staged)
         db = sqlite3.connect(staged)
         try:
             epoch = _relocate_checkpoints(db, run_dir / "checkpoints", newest)
@@ -283,7 +326,7 @@ def _relocate_checkpoints(db: sqlite3.Connection, folder: Path, restored: str | 
 
 
 class BackgroundArchiver:
-    """Uploads on one background thread, so the supervisor's tick never waits on S3.  What fails is
+    """Uploads on one background thread, so the supervisor's tick never waits on the store.  What fails is
     logged and stays owed: it goes again with the next ``submit``; the newest checkpoint wins."""
 
     def __init__(self, archive: RunArchive, run_dir: Path) -> None:
@@ -336,7 +379,7 @@ class BackgroundArchiver:
             return self._history or self._checkpoint is not None or self._experts is not None
 
     def close(self) -> None:
-        """No more uploads; one still running finishes on its own (bounded by the S3 timeouts)."""
+        """No more uploads; one still running finishes on its own (bounded by the store's timeouts)."""
         with self._lock:
             self._closed = True
         self._executor.shutdown(wait=False)

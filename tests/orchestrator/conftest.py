@@ -90,6 +90,17 @@ def gce_api(loop_servers: LoopServers) -> FakeComputeApi:
     return FakeComputeApi(loop_servers)
 
 
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[str]:
+    """Cloud Storage for a test module (gcp-storage-emulator) holding the shipped configs' bucket: its URL."""
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("gcp_storage_emulator")
+    from tests.fakes.gcs import gcs_emulator
+
+    with gcs_emulator("spotswarm-runs") as url:
+        yield url
+
+
 @pytest.fixture
 def gce_harness(gce_api: FakeComputeApi, loop_servers: LoopServers, tmp_path: Path) -> Iterator[GceHarness]:
     with closing(GceHarness(gce_api, loop_servers, tmp_path / "machines")) as harness:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig, ConfigError
+from orchestrator.runs.store import InstanceRecord
 from tests.fakes.workers import FakeWorkers
 
 if TYPE_CHECKING:
@@ -108,11 +109,19 @@ def validate_shipped(capsys: pytest.CaptureFixture, name: str, summary: str) -> 
     return load(path)[0]
 
 
-def shipped_yaml(tmp_path: Path, name: str, endpoint: str) -> Path:
-    """A shipped config as a file of this test's, pointed at a cloud stand-in and at ``tmp_path/runs``."""
+def shipped_yaml(tmp_path: Path, name: str, endpoint: str, storage: str | None = None) -> Path:
+    """A shipped config as a file of this test's, pointed at a cloud stand-in and at ``tmp_path/runs``;
+    its archive at ``storage`` (an S3 archive: at ``endpoint``, moto; else none unless given)."""
     data = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
     data["provider"]["endpoint_url"] = endpoint
     data["runs_dir"] = str(tmp_path / "runs")
+    checkpoint = data.get("checkpoint") or {}
+    if checkpoint.get("uri"):  # never the real cloud's storage
+        storage = storage or (endpoint if checkpoint["uri"].startswith("s3://") else None)
+        if storage:
+            checkpoint["endpoint_url"] = storage
+        else:
+            del checkpoint["uri"]
     return write(tmp_path, yaml.safe_dump(data), name)
 
 
@@ -350,3 +359,20 @@ def resumed_at(run_dir: Path) -> float:
     rows = query(run_dir, "SELECT MAX(time) FROM events WHERE kind = 'resume'")
     assert rows[0][0] is not None, "the run was never resumed"
     return rows[0][0]
+
+
+# ---- archives ----------------------------------------------------------------------------------
+def fill_store(store: Any, archive: Any, epochs: tuple[int, ...] = (1, 2, 3)) -> dict[int, bytes]:
+    """A run with an instance, events, progress and checkpoint files, each checkpoint archived."""
+    store.launched(InstanceRecord("r-small-0000", "small", "a", "spot", 0.3, 1.0, launched_at=100.0))
+    store.update_instance("r-small-0000", notice_at=150.0, ended_at=160.0, end_reason="preempted")
+    store.event("supervisor_start", detail={"resumed_epoch": 0})
+    contents = {}
+    for epoch in epochs:
+        store.progress(epoch, 1.0 / epoch, 100.0 * epoch, 2, epoch * 64)
+        path = store.dir / "checkpoints" / f"epoch-{epoch:06d}.pt"
+        contents[epoch] = bytes([epoch]) * 1000 + f"state of epoch {epoch}".encode()
+        path.write_bytes(contents[epoch])
+        store.checkpoint(epoch, path)
+        archive.save_checkpoint(path)
+    return contents

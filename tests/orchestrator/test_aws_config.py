@@ -362,10 +362,24 @@ BUCKET_RULE = ("is not an S3 bucket name (3 to 63 lowercase letters, digits, dot
                "with a letter or digit)")
 
 
+GCS_RULE = ("is not a Cloud Storage bucket name (3 to 63 lowercase letters, digits, dots, hyphens and underscores, "
+            "starting and ending with a letter or digit)")
+SCHEMES = "archives are s3://bucket/prefix, gs://bucket/prefix or an absolute path"
+
+
+@pytest.mark.parametrize("uri", ["gs://my_bucket/runs/a", "gs://bucket", "/data/archive", "~/archive", "file:///data/x"])
+def test_a_gcs_or_local_checkpoint_uri_loads(tmp_path, uri):
+    path = write(tmp_path, AWS + f"checkpoint:\n  uri: '{uri}'\n")
+    assert load(path)[0].checkpoint.uri == uri
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("uri", "gs://bucket/x", "only s3:// URIs are supported, e.g. s3://my-bucket/runs"),
-    ("uri", "/data/checkpoints", "only s3:// URIs are supported, e.g. s3://my-bucket/runs"),
-    ("uri", "S3://bucket", "only s3:// URIs are supported, e.g. s3://my-bucket/runs"),
+    ("uri", "S3://bucket", SCHEMES),
+    ("uri", "az://container/x", SCHEMES),
+    ("uri", "data/checkpoints", "an archive directory must be an absolute path (or s3://bucket/prefix, "
+                                "gs://bucket/prefix)"),
+    ("uri", "gs://My-Bucket/x", f"'My-Bucket' {GCS_RULE}"),
+    ("uri", "gs://", f"'' {GCS_RULE}"),
     ("uri", "s3://My_Bucket/x", f"'My_Bucket' {BUCKET_RULE}"),
     ("uri", "s3://ab", f"'ab' {BUCKET_RULE}"),
     ("uri", "s3://" + "a" * 64, f"'{'a' * 64}' {BUCKET_RULE}"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -14,13 +15,20 @@ import tenacity
 from rich.console import Console
 
 boto3 = pytest.importorskip("boto3")
-from botocore.exceptions import ClientError  # noqa: E402
+pytest.importorskip("s3fs")
 
 from orchestrator.cli import cluster  # noqa: E402
 from orchestrator.cli.main import main  # noqa: E402
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
-from orchestrator.runs.durable import ArchiveError, ArchiveMissing, BackgroundArchiver, RunArchive  # noqa: E402
-from orchestrator.runs.store import InstanceRecord, RunStore  # noqa: E402
+from orchestrator.runs.durable import (  # noqa: E402
+    ArchiveError,
+    ArchiveMissing,
+    BackgroundArchiver,
+    RunArchive,
+    open_filesystem,
+)
+from orchestrator.runs.store import RunStore  # noqa: E402
+from tests.orchestrator.run_checks import fill_store  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,22 +53,6 @@ def s3(endpoint: str):
 def archived_names(endpoint: str, folder: str) -> list[str]:
     listing = s3(endpoint).list_objects_v2(Bucket=BUCKET, Prefix=f"team/r/{folder}/")
     return sorted(o["Key"].rsplit("/", 1)[1] for o in listing.get("Contents", []))
-
-
-def fill_store(store: RunStore, archive: RunArchive, epochs: tuple[int, ...] = (1, 2, 3)) -> dict[int, bytes]:
-    """A run with an instance, events, progress and checkpoint files, each checkpoint archived."""
-    store.launched(InstanceRecord("r-small-0000", "small", "a", "spot", 0.3, 1.0, launched_at=100.0))
-    store.update_instance("r-small-0000", notice_at=150.0, ended_at=160.0, end_reason="preempted")
-    store.event("supervisor_start", detail={"resumed_epoch": 0})
-    contents = {}
-    for epoch in epochs:
-        store.progress(epoch, 1.0 / epoch, 100.0 * epoch, 2, epoch * 64)
-        path = store.dir / "checkpoints" / f"epoch-{epoch:06d}.pt"
-        contents[epoch] = bytes([epoch]) * 1000 + f"state of epoch {epoch}".encode()
-        path.write_bytes(contents[epoch])
-        store.checkpoint(epoch, path)
-        archive.save_checkpoint(path)
-    return contents
 
 
 @pytest.fixture
@@ -206,32 +198,31 @@ def test_a_missing_bucket_is_a_clear_error_naming_the_uri(tmp_path, aws):
 
 
 class Flaky:
-    """An S3 client whose first ``failures`` uploads are throttled (503 SlowDown)."""
+    """A store whose first ``failures`` uploads are throttled (S3's 503 SlowDown, as s3fs raises it)."""
 
-    def __init__(self, client, failures: int) -> None:
-        self.client, self.failures, self.calls = client, failures, 0
+    def __init__(self, fs, failures: int) -> None:
+        self.fs, self.failures, self.calls = fs, failures, 0
 
-    def upload_file(self, *args, **kwargs):
+    def put_file(self, *args, **kwargs):
         self.calls += 1
         if self.calls <= self.failures:
-            raise ClientError({"Error": {"Code": "SlowDown", "Message": "slow down"},
-                               "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
-        return self.client.upload_file(*args, **kwargs)
+            raise OSError(errno.EBUSY, "SlowDown: please reduce your request rate")
+        return self.fs.put_file(*args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self.client, name)
+        return getattr(self.fs, name)
 
 
 def test_throttling_is_retried_and_the_retries_are_bounded(tmp_path, bucket):
     checkpoint = tmp_path / "epoch-000001.pt"
     checkpoint.write_bytes(b"x")
-    flaky = Flaky(s3(bucket), failures=2)
-    RunArchive(URI, client=flaky, attempts=3, wait=tenacity.wait_none()).save_checkpoint(checkpoint)
+    flaky = Flaky(open_filesystem(URI, bucket), failures=2)
+    RunArchive(URI, fs=flaky, attempts=3, wait=tenacity.wait_none()).save_checkpoint(checkpoint)
     assert flaky.calls == 3 and archived_names(bucket, "checkpoints") == ["epoch-000001.pt"]
 
-    hopeless = Flaky(s3(bucket), failures=99)
+    hopeless = Flaky(open_filesystem(URI, bucket), failures=99)
     with pytest.raises(ArchiveError, match=f"{URI}: S3 still failing after 3 attempts"):
-        RunArchive(URI, client=hopeless, attempts=3, wait=tenacity.wait_none()).save_checkpoint(checkpoint)
+        RunArchive(URI, fs=hopeless, attempts=3, wait=tenacity.wait_none()).save_checkpoint(checkpoint)
     assert hopeless.calls == 3
 
 

@@ -16,6 +16,7 @@ pytest.importorskip("google.cloud.compute_v1")
 
 from orchestrator.config.checks import load_cluster_config  # noqa: E402
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
+from orchestrator.runs.durable import RunArchive  # noqa: E402
 from tests.orchestrator.run_checks import (  # noqa: E402
     assert_peers_agree,
     assert_released,
@@ -32,19 +33,22 @@ SHIPPED = Path(__file__).resolve().parents[2] / "cluster_configs" / "gcp-spot.ya
 WINDOW_S = 15.0  # GCE stops a preempted VM 30 s after the notice; the harness after fifteen
 
 
-def shipped_config(tmp_path: Path, endpoint: str) -> ClusterConfig:
-    """The shipped example pointed at the fake API and this test's directory; the harness's
-    shorter window; parameter digests for the audit."""
+def shipped_config(tmp_path: Path, endpoint: str, storage: str) -> ClusterConfig:
+    """The shipped example pointed at the fake API, the storage emulator (its archive under this test's
+    name) and this test's directory; the harness's shorter window; parameter digests for the audit."""
     config = load_cluster_config(SHIPPED, warnings=[])
     return config.model_copy(update={
         "provider": config.provider.model_copy(update={"endpoint_url": endpoint}),
+        "checkpoint": config.checkpoint.model_copy(update={
+            "endpoint_url": storage, "uri": f"{config.checkpoint.uri}/{tmp_path.name}", "every_s": 5.0}),
         "runs_dir": str(tmp_path / "runs"),
         "spot": config.spot.model_copy(update={"notice_period_s": WINDOW_S}),
         "training": config.training.model_copy(update={"param_digests": True})})
 
 
-def test_spot_fleet_on_a_fake_gce_survives_a_preemption(tmp_path, gce_api, gce_harness, wait_for, artifacts_dir):
-    config = shipped_config(tmp_path, gce_api.url)
+def test_spot_fleet_on_a_fake_gce_survives_a_preemption(tmp_path, gce_api, gce_harness, gcs, wait_for,
+                                                        artifacts_dir):
+    config = shipped_config(tmp_path, gce_api.url, gcs)
     zones = config.provider.zones
     gce_api.exhausted = {(zones[0], "spot")}  # the cheapest zone has no Spot capacity: the next one
     gce_api.throttle = ["429", "403", "429"]  # and GCE rate-limits the run's first calls: retried
@@ -82,3 +86,9 @@ def test_spot_fleet_on_a_fake_gce_survives_a_preemption(tmp_path, gce_api, gce_h
     # released: every instance deleted in GCE, so the harness cut its power
     assert_released(run_dir, gce_harness, wait_for)
     assert gce_api.snapshot() == {}
+    # the run outlives this head: a new head restores it from gs:// (the emulator)
+    restored = tmp_path / "new-head" / config.cluster_name
+    epoch = RunArchive.for_config(config).restore(restored)
+    assert epoch is not None and epoch >= 1
+    assert query(restored, "SELECT MAX(epoch) FROM progress")[0][0] >= epoch
+    assert (restored / "checkpoints" / f"epoch-{epoch:06d}.pt").stat().st_size > 0
