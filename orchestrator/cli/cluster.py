@@ -21,7 +21,7 @@ from rich.table import Table
 
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.fleet.ray_session import RayConnectError, start_ray
+from orchestrator.fleet.ray_session import start_ray
 from orchestrator.host.wait import wait_for
 from orchestrator.runs import figures
 from orchestrator.runs import pid as run_pid
@@ -73,8 +73,8 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
         name = f"supervisor-{config.cluster_name}"
         try:
             ray.get_actor(name)
-            raise RayConnectError(f"run {config.cluster_name} already has a supervisor on this Ray cluster; "
-                                  f"stop it first (spotswarm down {run_dir})")
+            raise NotStarted(f"run {config.cluster_name} already has a supervisor on this Ray cluster; "
+                             f"stop it first (spotswarm down {run_dir})")
         except ValueError:
             pass  # none yet: ours will be the only one
         # on the head node, detached on a cluster: the run goes on if this command loses its connection
@@ -133,14 +133,41 @@ def print_summary(run_dir: Path, console: Console) -> None:
     console.print(_figures_table(f"run {h.cluster}: summary", h))
 
 
-def preflight(config: ClusterConfig) -> None:
-    """Ask the cloud one cheap question before anything starts, so that refused credentials are one
-    clear ProviderAuthError here instead of a supervisor that cannot launch anything."""
-    if config.provider.type == "local":
-        return
-    from orchestrator.fleet.registry import make_provider
+class NotStarted(RuntimeError):
+    """``up`` or ``resume`` refused before anything was created or launched."""
 
-    make_provider(config, time.time, config.run_dir()).shutdown()  # it reads zones and prices on creation
+
+class ResumeError(NotStarted):
+    """``resume``'s TARGET names no run this machine has or can restore; nothing was started."""
+
+
+def preflight(config: ClusterConfig) -> None:
+    """Before anything starts: a run already up is refused, the cloud is asked one cheap question (so that
+    refused credentials are one clear ProviderAuthError here instead of a supervisor that cannot launch
+    anything), and the archive must take a write."""
+    refuse_if_up(config.run_dir(), config.cluster_name)
+    if config.provider.type != "local":
+        from orchestrator.fleet.registry import make_provider
+
+        make_provider(config, time.time, config.run_dir()).shutdown()  # it reads zones and prices on creation
+    if config.checkpoint.uri:
+        from orchestrator.runs.durable import ArchiveError, RunArchive
+
+        try:
+            archive = RunArchive.for_config(config)
+            assert archive is not None
+            archive.check_writable()
+        except ArchiveError as e:
+            raise NotStarted(f"checkpoint.uri cannot take the run's archive: {e}") from None
+
+
+def refuse_if_up(run_dir: Path, name: str) -> None:
+    """A second driver would overwrite the first one's record and run a second supervisor over the same
+    instances: refused, naming the commands that watch and stop the run that is up."""
+    driver = run_pid.driver(run_dir)
+    if driver is not None:
+        raise NotStarted(f"run {name} is already up (driven by pid {driver.pid} on this machine): watch it with "
+                         f"`spotswarm status {run_dir}`, stop it with `spotswarm down {run_dir}`")
 
 
 def finish(status: dict, run_dir: Path, console: Console) -> int:
@@ -160,10 +187,6 @@ def up(config_path: str, duration: float | None, console: Console, address: str 
     run_dir = config.run_dir()
     status = run_foreground(config, run_dir, duration, console)
     return finish(status, run_dir, console)
-
-
-class ResumeError(RuntimeError):
-    """``resume``'s TARGET names no run this machine has or can restore; nothing was started."""
 
 
 def resume_target(target: str, console: Console) -> Path:
@@ -206,6 +229,7 @@ def restore_run(config: ClusterConfig, run_dir: Path) -> int | None:
 def resume(target: str, duration: float | None, console: Console, address: str | None = None) -> int:
     """Continue a run from a run directory or a cluster YAML (see ``resume_target``)."""
     path = resume_target(target, console)
+    refuse_if_up(path, path.name)
     with closing(RunStore.open(path)) as store:
         config = store.config().with_ray_address(address)
         latest = store.latest_checkpoint()

@@ -43,6 +43,7 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     """``up`` or ``resume``: a bad config or an unreachable cluster is one clear message, no traceback."""
     from orchestrator.cli import cluster
     from orchestrator.config.schema import ConfigError
+    from orchestrator.fleet.ray_session import RayConnectError
     from orchestrator.providers.base import ProviderAuthError
     from orchestrator.runs.durable import ArchiveError
 
@@ -51,13 +52,13 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"spotswarm {command}: invalid config, nothing started:\n{e}", file=sys.stderr)
         return 2
-    except cluster.RayConnectError as e:
+    except RayConnectError as e:
         print(f"spotswarm {command}: {e}", file=sys.stderr)
         return 1
     except ProviderAuthError as e:
         print(f"spotswarm {command}: nothing started: {e}", file=sys.stderr)
         return 2
-    except cluster.ResumeError as e:
+    except cluster.NotStarted as e:
         print(f"spotswarm {command}: {e}; nothing started", file=sys.stderr)
         return 2
     except ArchiveError as e:  # the archive refused (no bucket, access denied) or kept failing
