@@ -232,6 +232,13 @@ class SpotConfig(_Strict):
     fallback_window_s: float = pydantic.Field(600.0, gt=0)  # ... within this window
 
 
+class PolicyConfig(_Strict):
+    # an early warning that a spot machine is at elevated risk (EC2's rebalance recommendation): "replace"
+    # launches its replacement at once, in another zone where one has capacity, and releases the machine
+    # once the replacement trains (or at its notice, whichever comes first); "ignore" only records it
+    on_rebalance: Literal["replace", "ignore"] = "replace"
+
+
 class BudgetConfig(_Strict):
     max_dollars_per_hour: float | None = pydantic.Field(None, gt=0)
     max_total_dollars: float | None = pydantic.Field(None, gt=0)
@@ -363,6 +370,7 @@ class ClusterConfig(_Strict):
     head_node_type: str | None = None
     available_node_types: dict[str, NodeType]
     spot: SpotConfig = SpotConfig()
+    policy: PolicyConfig = PolicyConfig()
     budget: BudgetConfig = BudgetConfig()
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -56,6 +56,9 @@ class FleetPolicy:
         self.noticed: set[str] = set()
         self.left: set[str] = set()
         self.spares: set[str] = set()  # warm spares (launched or launching): booted and joined, not training
+        # machines that saw a rebalance recommendation (policy.on_rebalance), and when: with "replace", each
+        # is left out of its type's count (its replacement launches) until it is released or noticed
+        self.at_risk: dict[str, float] = {}
         self.zone_choice = ZoneChoice(config, provider)
         self.preemptions = self.zone_choice.preemptions  # (when, region, zone), read by the policy's tests too
         self.budget = Budget(config, store)
@@ -148,6 +151,8 @@ class FleetPolicy:
         self._collect_background()
         self._collect_polls(now)
         self._collect_instance_notices(now)
+        self._collect_rebalances(now)
+        self._retire_rebalanced()
         self._record_leaves()
         self._release_dead_workers()
         self._enforce_budget(now)
@@ -191,6 +196,38 @@ class FleetPolicy:
         if notices:
             self._take_notices(now, notices)
 
+    def _collect_rebalances(self, now: float) -> None:
+        """Rebalance recommendations the machines saw: each such machine is at risk from now on."""
+        poll = getattr(self.workers, "poll_rebalances", None)
+        candidates = [i for i in self.live if i not in self.noticed and i not in self.at_risk and i not in self.spares]
+        if poll is None or not candidates:
+            return
+        action = self.config.policy.on_rebalance
+        for instance_id in poll(candidates):
+            self.at_risk[instance_id] = now
+            self.store.event("rebalance", instance_id, {"action": action})
+            logger.info("rebalance recommendation for %s: %s", instance_id,
+                        "its replacement launches now" if action == "replace" else "ignored (policy.on_rebalance)")
+
+    def _replacing(self, instance_id: str) -> bool:
+        """An at-risk machine whose replacement is wanted: it no longer counts for its type's size."""
+        return instance_id in self.at_risk and self.config.policy.on_rebalance == "replace"
+
+    def _retire_rebalanced(self) -> None:
+        """Release an at-risk machine once its type is at full strength without it, every other trainer's
+        worker placed: its replacement trains, so it goes gracefully before its notice can come."""
+        for instance_id in [i for i in self.at_risk if self._replacing(i)]:
+            inst = self.live.get(instance_id)
+            if inst is None or instance_id in self.noticed:
+                continue
+            others = [i for i in self.live.values() if i.node_type == inst.node_type and i.id not in self.noticed
+                      and i.id not in self.at_risk and i.id not in self.spares and i.tags.get("peer_id")]
+            if len(others) < self.config.available_node_types[inst.node_type].max_workers:
+                continue
+            logger.info("%s's replacement trains: releasing it before its notice", instance_id)
+            self._ended(instance_id, "rebalanced")  # (its end is the event)
+            self._submit("release", inst, self._release, inst)
+
     def _take_notices(self, now: float, notices: list[PreemptionNotice]) -> None:
         launching = {c.instance_id for c in self.calls.of_kind("launch")}
         notices, self._held_notices = self._held_notices + notices, []
@@ -202,6 +239,7 @@ class FleetPolicy:
             if inst is None or inst.id in self.noticed:
                 continue
             self.noticed.add(inst.id)
+            self.at_risk.pop(inst.id, None)  # a notice now: it goes as any noticed machine does
             self.store.update_instance(inst.id, notice_at=notice.notice_at)
             self.store.event("notice", inst.id, {"terminate_at": notice.terminate_at, "source": notice.source})
             logger.info("preemption notice for %s: terminated in %.0f s", inst.id, notice.terminate_at - now)
@@ -249,6 +287,7 @@ class FleetPolicy:
 
     def _ended(self, instance_id: str, reason: str) -> None:
         inst = self.live.pop(instance_id, None)
+        self.at_risk.pop(instance_id, None)
         was_spare = instance_id in self.spares
         self.spares.discard(instance_id)
         if inst is None:
@@ -350,7 +389,8 @@ class FleetPolicy:
         have: dict[str, int] = {}
         short: dict[str, list[str]] = {}  # region -> its node types below their size, in the config's order
         for name, node_type in self.config.fleet_types().items():  # not the head: the supervisor runs there
-            have[name] = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed)
+            have[name] = sum(1 for i in self.live.values() if i.node_type == name and i.id not in self.noticed
+                             and not self._replacing(i.id))
             have[name] += sum(1 for p in self.pending if p.node_type == name)
             have[name] += sum(1 for s in launching if s.node_type == name)
             if have[name] < node_type.max_workers + node_type.warm_spares:
@@ -383,8 +423,13 @@ class FleetPolicy:
 
     def _next_launch(self, short: dict[str, list[str]], now: float) -> Choice:
         """The best choice of each region's first short node type, and of those the cheapest."""
-        choices = [self.zone_choice.best(names[0], now) for names in short.values()]
+        choices = [self.zone_choice.best(names[0], now, avoid=self._risky_zones(names[0])) for names in short.values()]
         return choices[0] if len(choices) == 1 else min(choices, key=lambda c: c.score)
+
+    def _risky_zones(self, node_type: str) -> set[str]:
+        """Zones where a machine of the type saw a rebalance recommendation: its replacement goes elsewhere."""
+        risky = (self.live.get(i) for i in self.at_risk)
+        return {inst.zone for inst in risky if inst is not None and inst.node_type == node_type}
 
     def _rate(self) -> float:
         """Dollars per hour of the instances live, pending and launching."""
@@ -480,7 +525,7 @@ class FleetPolicy:
         """Instances of the type that train or will: live or launching, neither noticed nor spares."""
         launching = [c.detail for c in self.calls.of_kind("launch")]
         live = sum(1 for i in self.live.values() if i.node_type == node_type and i.id not in self.noticed
-                   and i.id not in self.spares)
+                   and i.id not in self.spares and not self._replacing(i.id))
         return live + sum(1 for s in launching if s.node_type == node_type and s.instance_id not in self.spares)
 
     def idle_spares(self) -> int:

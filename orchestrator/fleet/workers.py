@@ -36,6 +36,7 @@ class RayWorkers:
         self._activating = threading.Lock()
         self._notice_checks: dict[str, Any] = {}
         self._next_check: dict[str, float] = {}
+        self._rebalanced: dict[str, float] = {}  # instance -> when its machine saw a rebalance recommendation
         self._alive_checks: dict[str, Any] = {}
         self._next_alive_check: dict[str, float] = {}
         self._worker_node: dict[str, str] = {}  # instance id -> the Ray node its worker last answered from
@@ -200,11 +201,20 @@ class RayWorkers:
             self._next_check[instance_id] = now + self.check_every_s
         notices = []
         for instance_id, status in self._statuses(self._notice_checks, due).items():
+            if status.get("rebalance_at"):
+                self._rebalanced.setdefault(instance_id, status["rebalance_at"])
             seen = status.get("notice")
             if seen:
                 notices.append(PreemptionNotice(instance_id, seen["seen_at"], seen["seen_at"] + seen["deadline_s"],
                                                 source="instance"))
         return notices
+
+    def poll_rebalances(self, instance_ids: list[str]) -> list[str]:
+        """Which of the instances saw a rebalance recommendation (their watchers' word, collected with the
+        notices by ``poll_notices``)."""
+        asked = set(instance_ids)
+        self._rebalanced = {i: t for i, t in self._rebalanced.items() if i in asked}
+        return list(self._rebalanced)
 
     def poll_dead(self, instance_ids: list[str]) -> list[str]:
         """Instances whose worker process died while their machine runs on (killed, crashed): such a

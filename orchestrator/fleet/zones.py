@@ -60,7 +60,7 @@ class ZoneChoice:
             return list(self.provider.zones or self.config.provider.zones)
         return self.config.zones_of(node_type)
 
-    def best(self, node_type: str, now: float) -> Choice:
+    def best(self, node_type: str, now: float, avoid: set[str] | frozenset[str] = frozenset()) -> Choice:
         """The cheapest zone of the node type's region, penalized by its recent preemptions; on-demand
         after too many of them in that region (and back to spot once they leave the window), or when
         spot is above the price cap."""
@@ -85,5 +85,5 @@ class ZoneChoice:
         def score(zone: str) -> float:  # cheaper, and fewer recent preemptions, is better
             return self.provider.price(node_type, zone, market) * (1 + 0.5 * window.count(zone))
 
-        zone = min(zones, key=score)
+        zone = min([z for z in zones if z not in avoid] or zones, key=score)  # ``avoid`` unless it is all there is
         return Choice(node_type, region, zone, market, score(zone))

@@ -25,6 +25,7 @@ class FakeWorkers:
         self.args: dict[str, dict[str, Any]] = {}  # what each placed worker started with
         self.activated: list[str] = []
         self.standby: set[str] = set()  # running workers that are warm spares (adoption)
+        self.rebalanced: set[str] = set()  # instances whose machine saw a rebalance recommendation
         self._lock = threading.Lock()
 
     def place(self, instance: Instance, worker_args: dict[str, Any]) -> str:
@@ -45,6 +46,9 @@ class FakeWorkers:
 
     def poll_left(self, instance_ids: list[str]) -> list[str]:
         return [i for i in instance_ids if i in self.left]
+
+    def poll_rebalances(self, instance_ids: list[str]) -> list[str]:
+        return [i for i in instance_ids if i in self.rebalanced]
 
     def poll_dead(self, instance_ids: list[str]) -> list[str]:
         return [i for i in instance_ids if i in self.dead]

@@ -41,7 +41,7 @@ SETTLE_S = 5.0  # bound on waiting for the policy's pools; the calls themselves 
 
 def make_config(runs_dir: Path, *, spot_prices: dict[str, float] | None = None, min_workers: int = 0,
                 max_workers: int = 3, spot: dict | None = None, budget: dict | None = None,
-                every_s: float = 60.0, warm_spares: int = 0) -> ClusterConfig:
+                every_s: float = 60.0, warm_spares: int = 0, policy: dict | None = None) -> ClusterConfig:
     return ClusterConfig.model_validate({
         "cluster_name": "c", "runs_dir": str(runs_dir),
         "provider": {"type": "local", "zones": ZONES},
@@ -49,7 +49,7 @@ def make_config(runs_dir: Path, *, spot_prices: dict[str, float] | None = None, 
             "min_workers": min_workers, "max_workers": max_workers, "warm_spares": warm_spares,
             "on_demand_price_per_hour": 1.0,
             "spot_price_per_hour": spot_prices or {"a": 0.3, "b": 0.4, "c": 0.5}, "spot": True}},
-        "spot": spot or {}, "budget": budget or {}, "checkpoint": {"every_s": every_s},
+        "spot": spot or {}, "budget": budget or {}, "checkpoint": {"every_s": every_s}, "policy": policy or {},
         "dashboard": {"enabled": False},
     })
 
@@ -515,6 +515,62 @@ def test_the_head_node_type_is_never_launched(make_rig: Callable[..., Rig]) -> N
 
 
 # ---- warm spares ----------------------------------------------------------------------------------
+# ---- rebalance recommendations ---------------------------------------------------------------------
+def test_a_rebalance_recommendation_brings_a_replacement_elsewhere_then_releases_the_machine(
+        make_rig: Callable[..., Rig]) -> None:
+    """EC2's early warning: the replacement launches at once, in another zone (both trainers are in the
+    cheapest), and the machine at risk goes gracefully once the replacement trains: before any notice."""
+    rig = make_rig(max_workers=2)
+    policy = rig.policy
+    settle(policy)
+    first, second = ids(rig)
+    assert launched(rig) == [("a", "spot"), ("a", "spot")]
+
+    rig.workers.rebalanced.add(first)
+    settle(policy)
+    (replacement,) = ids(rig, 2)
+    assert launched(rig, 2) == [("b", "spot")]  # zone a saw the warning: the next cheapest
+    assert sorted(policy.live) == sorted([second, replacement]) and rig.workers.placed[-1] == replacement
+    assert end_reasons(rig)[first] == "rebalanced" and first in rig.provider.terminated
+    assert first in rig.workers.stopped  # its worker was stopped gracefully first
+    assert [(e[2], json.loads(e[3])) for e in rig.store.events("rebalance")] == [(first, {"action": "replace"})]
+    assert [e[2] for e in rig.store.events("rebalanced")] == [first] and not policy.at_risk
+
+    rig.provider.notice(first, rig.clock(), rig.clock() + 120)  # the notice, late: nothing more happens
+    settle(policy)
+    assert len(rig.provider.specs) == 3 and not rig.store.events("notice")
+
+
+def test_a_notice_before_the_replacement_trains_takes_the_machine_as_any_notice_does(
+        make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(max_workers=2)
+    policy = rig.policy
+    settle(policy)
+    first, second = ids(rig)
+    rig.provider.hang = True  # the replacement's launch does not come back yet
+    rig.workers.rebalanced.add(first)
+    policy.tick()
+    wait_until(lambda: len(rig.provider.hanging) == 1, time.monotonic() + SETTLE_S, "the replacement's launch")
+    now = rig.clock()
+    rig.provider.notice(first, now, now + 120)
+    rig.provider.kill(first)
+    rig.provider.gate.set()
+    settle(policy)
+    assert len(rig.provider.specs) == 3  # the replacement already asked for: no second one
+    assert end_reasons(rig)[first] == "preempted" and len(policy.live) == 2 and not policy.at_risk
+
+
+def test_with_on_rebalance_ignore_the_warning_is_recorded_and_nothing_launches(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(max_workers=2, policy={"on_rebalance": "ignore"})
+    policy = rig.policy
+    settle(policy)
+    first, _ = ids(rig)
+    rig.workers.rebalanced.add(first)
+    settle(policy)
+    assert len(rig.provider.specs) == 2 and first in policy.live and end_reasons(rig)[first] is None
+    assert [json.loads(e[3]) for e in rig.store.events("rebalance")] == [{"action": "ignore"}]
+
+
 def spares_of(rig: Rig) -> set[str]:
     """The instances whose worker was started as a warm spare."""
     return {i for i, args in rig.workers.args.items() if args.get("standby")}
