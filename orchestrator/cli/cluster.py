@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from orchestrator.cli import remote
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.fleet.ray_session import start_ray
@@ -105,6 +106,9 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
                 seen = status["fleet_events_total"]
                 live.update(_live_table(store, status))
                 if status["budget_exhausted"] or status.get("fatal"):
+                    break
+                if status.get("stop_requested"):
+                    console.print(f"a stop was asked for through the archive ({status['stop_requested'].get('by')})")
                     break
         if not console.is_terminal:
             console.line()  # a live table written to a file or pipe ends without a newline
@@ -242,20 +246,24 @@ def resume(target: str, duration: float | None, console: Console, address: str |
     return 0
 
 
-def status(run_dir: str, console: Console) -> int:
-    print_summary(Path(run_dir), console)
+def status(target: str, console: Console) -> int:
+    """A run's figures: from its run directory, or its cluster YAML (on another machine than the head: from
+    the run's archive)."""
+    with remote.run_view(target, console) as run_dir:
+        print_summary(run_dir, console)
     return 0
 
 
-def dashboard(run_dir: str, host: str, port: int, open_browser: bool, console: Console) -> int:
-    """Serve the run's dashboard in the foreground until Ctrl-C (or SIGTERM)."""
+def dashboard(target: str, host: str, port: int, open_browser: bool, console: Console) -> int:
+    """Serve the run's dashboard in the foreground until Ctrl-C (or SIGTERM); from the archive's snapshot
+    where this machine has no run directory."""
     from orchestrator.ui.dashboard import DashboardServer
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with DashboardServer(Path(run_dir), host, port) as server:
-            console.print(f"dashboard: {server.url}  (run {run_dir}; Ctrl-C stops it)", soft_wrap=True)
+        with remote.run_view(target, console) as run_dir, DashboardServer(run_dir, host, port) as server:
+            console.print(f"dashboard: {server.url}  (run {target}; Ctrl-C stops it)", soft_wrap=True)
             if open_browser:
                 import webbrowser
 
@@ -267,10 +275,15 @@ def dashboard(run_dir: str, host: str, port: int, open_browser: bool, console: C
     return 0
 
 
-def report(run_dir: str, out: str | None, console: Console) -> int:
+def report(target: str, out: str | None, console: Console) -> int:
+    """A static report of the run (see ``status`` for TARGET); from an archive's snapshot, written to
+    ``./<cluster>-report`` unless ``out`` says where."""
     from orchestrator.ui.report import write_report
 
-    written = write_report(Path(run_dir), Path(out) if out else None)
+    archived = remote.local_run(target)[0] is None
+    with remote.run_view(target, console) as run_dir:
+        default = Path(f"{run_dir.name}-report") if archived else None  # not in the snapshot's temporary folder
+        written = write_report(run_dir, Path(out) if out else default)
     console.print(f"report: {written.index} ({len(written.plots)} plots)")
     return 0
 
@@ -286,11 +299,14 @@ def down(target: str, console: Console, address: str | None = None) -> int:
     code = 0
     if (config.run_dir() / "run.sqlite").exists():
         code = _down_run(str(config.run_dir()), console, address)
+    elif config.checkpoint.uri:  # the head is elsewhere: asked through the archive, with no port of its own
+        if not remote.down_through_archive(config, console) and config.provider.type not in ("aws", "gcp"):
+            code = 1
     if config.provider.type in ("aws", "gcp"):
         ids = _terminate_cloud_run(config)
         console.print(f"{config.cluster_name}: terminated {len(ids)} instance{'s' if len(ids) != 1 else ''} "
                       f"tagged with the run" + (f" ({', '.join(ids)})" if ids else ""))
-    elif not (config.run_dir() / "run.sqlite").exists():
+    elif not (config.run_dir() / "run.sqlite").exists() and not config.checkpoint.uri:
         console.print(f"{target}: no run at {config.run_dir()}; nothing to stop")
     return code
 

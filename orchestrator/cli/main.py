@@ -7,7 +7,12 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
+
+# a run read from another machine than its head comes from its archive (checkpoint.uri)
+ON_ANY_MACHINE = ("run directory, or cluster YAML (where this machine has no run directory: read from the run's "
+                  "archive, checkpoint.uri)")
 
 
 def _console():
@@ -119,10 +124,30 @@ def _bootstrap_script(args: argparse.Namespace) -> int:
     return 0
 
 
+def _viewing(command: str, action: Callable[[], int]) -> int:
+    """``status``, ``report``, ``dashboard``, ``logs``: a TARGET that names no run, a bad YAML, or an archive
+    that cannot be read is one message and exit 2."""
+    from orchestrator.cli.remote import RunNotFound
+    from orchestrator.config.schema import ConfigError
+    from orchestrator.runs.durable import ArchiveError
+
+    try:
+        return action()
+    except (RunNotFound, ArchiveError, ConfigError) as e:
+        print(f"spotswarm {command}: {e}", file=sys.stderr)
+        return 2
+
+
 def _status(args: argparse.Namespace) -> int:
     from orchestrator.cli.cluster import status
 
-    return status(args.run, _console())
+    return _viewing("status", lambda: status(args.run, _console()))
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from orchestrator.cli.remote import logs
+
+    return _viewing("logs", lambda: logs(args.run, args.instance, _console()))
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -183,13 +208,13 @@ def _chaos(args: argparse.Namespace) -> int:
 def _dashboard(args: argparse.Namespace) -> int:
     from orchestrator.cli.cluster import dashboard
 
-    return dashboard(args.run, args.host, args.port, args.open, _console())
+    return _viewing("dashboard", lambda: dashboard(args.run, args.host, args.port, args.open, _console()))
 
 
 def _report(args: argparse.Namespace) -> int:
     from orchestrator.cli.cluster import report
 
-    return report(args.run, args.out, _console())
+    return _viewing("report", lambda: report(args.run, args.out, _console()))
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -197,13 +222,14 @@ def _down(args: argparse.Namespace) -> int:
     from orchestrator.config.schema import ConfigError
     from orchestrator.fleet.ray_session import RayConnectError
     from orchestrator.providers.base import ProviderError
+    from orchestrator.runs.durable import ArchiveError
 
     try:
         return down(args.run, _console(), address=args.address)
     except RayConnectError as e:
         print(f"spotswarm down: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, ProviderError) as e:
+    except (ConfigError, ProviderError, ArchiveError) as e:
         print(f"spotswarm down: {e}", file=sys.stderr)
         return 2
 
@@ -298,8 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the instance's id (default: an <INSTANCE_ID> placeholder)")
     bs.set_defaults(func=_bootstrap_script)
     st = sub.add_parser("status", help="headline figures of a run: throughput, instances, cost, savings")
-    st.add_argument("run", help="run directory")
+    st.add_argument("run", metavar="RUN_DIR|CONFIG", help=ON_ANY_MACHINE)
     st.set_defaults(func=_status)
+    lg = sub.add_parser("logs", help="the run's log files (the supervisor's, each instance's): list them, or show one")
+    lg.add_argument("run", metavar="RUN_DIR|CONFIG", help=ON_ANY_MACHINE)
+    lg.add_argument("instance", nargs="?", help="an instance id (or log file name) to show")
+    lg.set_defaults(func=_logs)
     ck = sub.add_parser("check", help="check a run's invariants: store consistent, checkpoints load, no stalls, "
                                       "no errors in its logs")
     ck.add_argument("run", help="run directory")
@@ -327,19 +357,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 10)")
     ch.set_defaults(func=_chaos)
     db = sub.add_parser("dashboard", help="serve a run's cost and throughput dashboard (live or finished)")
-    db.add_argument("run", help="run directory")
+    db.add_argument("run", metavar="RUN_DIR|CONFIG", help=ON_ANY_MACHINE)
     db.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     db.add_argument("--port", type=int, default=8270, help="port to listen on (default 8270; 0: any free port)")
     db.add_argument("--open", action="store_true", help="open it in the default browser")
     db.set_defaults(func=_dashboard)
     rp = sub.add_parser("report", help="write a static HTML report with PNG plots of a run")
-    rp.add_argument("run", help="run directory")
-    rp.add_argument("--out", metavar="DIR", help="where to write it (default <run>/report)")
+    rp.add_argument("run", metavar="RUN_DIR|CONFIG", help=ON_ANY_MACHINE)
+    rp.add_argument("--out", metavar="DIR", help="where to write it (default <run>/report; from an archive, "
+                                                 "./<cluster>-report)")
     rp.set_defaults(func=_report)
     dn = sub.add_parser("down", help="stop a running run: release every instance, keep its data")
     dn.add_argument("run", metavar="RUN_DIR|CONFIG",
-                    help="run directory, or cluster YAML (a cloud run's tagged instances are terminated too, "
-                         "even with no head left)")
+                    help="run directory, or cluster YAML (on another machine than the head: the head is asked "
+                         "through checkpoint.uri; a cloud run's tagged instances are terminated too, also when "
+                         "no head answers within a minute)")
     dn.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
                     help="the Ray cluster whose detached supervisor runs the run (default: its ray.address)")
     dn.set_defaults(func=_down)

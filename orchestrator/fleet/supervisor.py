@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 # the trainers and fetch a state take longer than that on a busy head, and would spend past the cap
 MIN_FINAL_CHECKPOINT_S = 2.0
 ARCHIVE_FLUSH_S = 30.0  # how long stop()/detach() wait for the last upload of the history
+PUBLISH_S = 5.0  # the status document goes to the archive this often (real seconds) ...
+PUBLISH_HISTORY_S = 30.0  # ... and the run store's snapshot and the logs this often, and at every checkpoint
 
 
 class SimClock:
@@ -101,7 +104,9 @@ class SupervisorCore:
         self.clock = SimClock(scale, origin=max(last, time.time()) if last else None)
         self.store.clock = self.clock
         archive = RunArchive.for_config(config)  # checkpoint.uri: the run outlives its head machine
-        self.archiver = BackgroundArchiver(archive, self.store.dir) if archive else None
+        # since: a stop asked for through the archive before this supervisor started is an old one
+        self.archiver = BackgroundArchiver(archive, self.store.dir, since=time.time()) if archive else None
+        self._published = self._history_published = float("-inf")  # monotonic
         identity = Identity.from_file(self.store.dir / "head.key")
         self.certifier = self._certifier()
         self.dht = self._start_dht(identity)
@@ -294,6 +299,8 @@ class SupervisorCore:
     def _close(self, release: bool) -> None:
         if release:
             self.store.event("stopping")  # where a stop's time starts (the final checkpoint is part of it)
+            if self.archiver is not None:  # who asked through the archive sees the stop begin
+                self.archiver.submit(history=False, status=self._status_doc("stopping"))
         self._halt()
         self.checkpoints.close()
         if release:
@@ -303,16 +310,17 @@ class SupervisorCore:
             self.policy.release_all()
         self.policy.shutdown()
         self.store.event("supervisor_stop" if release else "supervisor_detach")
-        self._flush_archive()
+        self._flush_archive("stopped" if release else "detached")
         self.dht.shutdown()
         self.store.close()
         stop_logging(self._log)
 
-    def _flush_archive(self) -> None:
+    def _flush_archive(self, state: str) -> None:
         """The history's last upload, waited for (bounded): what the next head restores from."""
         if self.archiver is None:
             return
-        if self.archiver.flush(ARCHIVE_FLUSH_S):
+        self.archiver.submit(logs=self.policy.log_dir, history=False)
+        if self.archiver.flush(ARCHIVE_FLUSH_S, status=self._status_doc(state)):
             logger.info("run archived to %s", self.archiver.archive.uri)
         self.archiver.close()
 
@@ -330,6 +338,27 @@ class SupervisorCore:
             self._record_costs()
             self.checkpoints.maybe(now, start=not self._stop.is_set())
             self.checkpoints.refresh_advert()
+            self._publish()
+
+    def _publish(self) -> None:
+        """The status document to the archive every ``PUBLISH_S``, the store's snapshot and the logs every
+        ``PUBLISH_HISTORY_S``: what ``status``, ``dashboard``, ``logs`` and ``down`` read on another
+        machine (on the archiver's thread: the tick never waits on the store)."""
+        at = time.monotonic()
+        if self.archiver is None or at - self._published < PUBLISH_S:
+            return
+        self._published = at
+        history = at - self._history_published >= PUBLISH_HISTORY_S
+        if history:
+            self._history_published = at
+        self.archiver.submit(history=history, status=self._status_doc("running"),
+                             logs=self.policy.log_dir if history else None)
+
+    def _status_doc(self, state: str) -> bytes:
+        policy = self.policy
+        return json.dumps({"cluster": self.config.cluster_name, "state": state, "published_at": time.time(),
+                           "epoch": self.epoch, "live": len(policy.live), "status": policy.status_text,
+                           "head": socket.gethostname(), "address": self.address}).encode()
 
     def _renew_certificates(self) -> None:
         """Members' certificates with half their lifetime left get fresh ones (never waits on a worker)."""
@@ -497,6 +526,7 @@ class SupervisorCore:
             "experts": self.experts.summary() if self.experts is not None else None,
             "phase": "checkpoint write" if self.checkpoints.writing() else "idle",
             "pending_writes": self.store.pending_writes,
+            "stop_requested": self.archiver.stop_request if self.archiver is not None else None,
         }
 
 

@@ -4,8 +4,10 @@ can be resumed anywhere from ``checkpoint.uri``.
 Layout under ``checkpoint.uri`` (``s3://bucket/prefix``, ``gs://bucket/prefix`` or a directory):
 ``history/run.sqlite`` (a consistent snapshot of the run store), ``history/config.yaml``,
 ``checkpoints/<name>`` (the newest ``checkpoint.keep``) and, for a mixture-of-experts run,
-``experts/<uid>.pt`` (each expert's newest state).  The local run directory stays the working copy;
-the archive is what survives the machine.  Every store goes through one interface, fsspec: s3fs for
+``experts/<uid>.pt`` (each expert's newest state), ``logs/<name>.log``, ``live/status.json`` (what
+the head publishes every few seconds) and ``control/stop.json`` (a stop asked for from elsewhere).
+The local run directory stays the working copy; the archive is what survives the machine, and what
+another machine watches and stops the run through.  Every store goes through one interface, fsspec: s3fs for
 S3 (the extra ``spotswarm[aws]``), gcsfs for Cloud Storage (``spotswarm[gcp]``), imported only when
 an archive of theirs is used.
 """
@@ -13,6 +15,7 @@ an archive of theirs is used.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HISTORY_FILES = ("config.yaml", "run.sqlite")  # run.sqlite last: its presence marks a complete archive
+STATUS_DOC = "live/status.json"  # what the head publishes every few seconds
+STOP_DOC = "control/stop.json"  # a stop asked for from another machine
 # where a store's own client has retried already, these still get ours: a connection dropped or timed out
 # (s3fs: SlowDown and 503 are EBUSY, 500 EREMOTEIO)
 TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EBUSY,
@@ -66,6 +71,14 @@ def split_uri(uri: str) -> tuple[str, str, str]:
     if scheme not in STORES or not bucket:
         raise ValueError(f"{uri!r} is not an archive URI: s3://bucket[/prefix], gs://bucket[/prefix] or a path")
     return scheme, bucket, prefix.strip("/")
+
+
+def _json_doc(raw: bytes | None) -> dict | None:
+    try:
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def checkpoint_epoch(name: str) -> int | None:
@@ -128,6 +141,7 @@ class RunArchive:
         self.fs = fs if fs is not None else open_filesystem(self.uri, endpoint_url)
         self.attempts = attempts
         self.wait = wait if wait is not None else CLOUD_BACKOFF
+        self._log_marks: dict[str, tuple[int, int]] = {}  # log file -> (size, mtime) last uploaded
 
     @classmethod
     def for_config(cls, config: ClusterConfig) -> RunArchive | None:
@@ -208,6 +222,46 @@ class RunArchive:
                 return None
 
         return self._call(f"reading {name}", read)
+
+    # ---- a run watched and stopped through its archive -------------------------------------------
+    def status(self) -> dict | None:
+        """The status document the head publishes every few seconds (None: none yet, or unreadable)."""
+        return _json_doc(self.read_bytes(STATUS_DOC))
+
+    def request_stop(self, by: str) -> float:
+        """Ask the run's head to stop cleanly; returns when the request was made (wall clock)."""
+        at = time.time()
+        self.write_bytes(STOP_DOC, json.dumps({"at": at, "by": by}).encode())
+        return at
+
+    def stop_request(self) -> dict | None:
+        return _json_doc(self.read_bytes(STOP_DOC))
+
+    def save_logs(self, directory: Path) -> None:
+        """Upload the run's log files that changed since their last upload (``logs/<name>``)."""
+        for path in sorted(Path(directory).glob("*.log")):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            if self._log_marks.get(path.name) != (stat.st_size, stat.st_mtime_ns):
+                self._upload(path, self.path("logs", path.name))
+                self._log_marks[path.name] = (stat.st_size, stat.st_mtime_ns)
+
+    def logs(self) -> list[str]:
+        return sorted(self._list("logs"))
+
+    def read_log(self, name: str) -> bytes | None:
+        return self.read_bytes(f"logs/{name}")
+
+    def snapshot(self, run_dir: Path) -> None:
+        """The archived history (run store and config) into ``run_dir``, to read: no checkpoint, nothing
+        relocated; raises ArchiveMissing where nothing was archived."""
+        if not self.has_history():
+            raise ArchiveMissing(f"{self.uri}: no archived run there (no {self.path('history', 'run.sqlite')})")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in HISTORY_FILES:
+            self._download(self.path("history", name), run_dir / name)
 
     def check_writable(self) -> None:
         """Write and delete a probe object: an archive that is missing or read-only fails here, with its
@@ -327,12 +381,16 @@ def _relocate_checkpoints(db: sqlite3.Connection, folder: Path, restored: str | 
 
 class BackgroundArchiver:
     """Uploads on one background thread, so the supervisor's tick never waits on the store.  What fails is
-    logged and stays owed: it goes again with the next ``submit``; the newest checkpoint wins."""
+    logged and stays owed: it goes again with the next ``submit``; the newest checkpoint wins.  After
+    each pass it reads the archive's stop request (``down CONFIG`` from another machine): one made
+    after ``since`` (wall clock) is kept in ``stop_request``."""
 
-    def __init__(self, archive: RunArchive, run_dir: Path) -> None:
+    def __init__(self, archive: RunArchive, run_dir: Path, since: float | None = None) -> None:
         self.archive = archive
         self.run_dir = Path(run_dir)
+        self.since = since
         self.failures = 0
+        self.stop_request: dict | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-archive")
         self._lock = threading.Lock()
         self._idle = threading.Event()
@@ -342,16 +400,24 @@ class BackgroundArchiver:
         self._checkpoint: Path | None = None
         self._experts: Path | None = None
         self._history = False
+        self._status: bytes | None = None
+        self._logs: Path | None = None
 
-    def submit(self, checkpoint: Path | None = None, experts: Path | None = None) -> None:
-        """Owe the history (and ``checkpoint``, and the expert checkpoints in ``experts``, if given)
-        to the archive; returns at once."""
+    def submit(self, checkpoint: Path | None = None, experts: Path | None = None, *, history: bool = True,
+               status: bytes | None = None, logs: Path | None = None) -> None:
+        """Owe the archive the history (unless ``history`` is False), and whatever else is given: a
+        checkpoint, the expert checkpoints in ``experts``, the status document, the logs in ``logs``;
+        returns at once."""
         with self._lock:
             if checkpoint is not None:
                 self._checkpoint = checkpoint
             if experts is not None:
                 self._experts = experts
-            self._history = True
+            if status is not None:
+                self._status = status
+            if logs is not None:
+                self._logs = logs
+            self._history = self._history or history
             if self._running or self._closed:
                 return  # the running upload loop takes it next (or, closed, nobody: the run is stopping)
             self._running = True
@@ -360,14 +426,12 @@ class BackgroundArchiver:
 
     def retry(self) -> None:
         """Upload again what an earlier upload left owed, if anything."""
-        with self._lock:
-            owed = self._history or self._checkpoint is not None or self._experts is not None
-        if owed:
-            self.submit()
+        if self.owed:
+            self.submit(history=False)
 
-    def flush(self, timeout: float) -> bool:
-        """Upload the history one last time and wait for that, at most ``timeout`` seconds."""
-        self.submit()
+    def flush(self, timeout: float, status: bytes | None = None) -> bool:
+        """Upload the history (and ``status``) one last time and wait for that, at most ``timeout`` seconds."""
+        self.submit(status=status)
         done = self._idle.wait(timeout)
         if not done:
             logger.warning("archiving to %s still running after %.0f s; not waiting longer", self.archive.uri, timeout)
@@ -376,7 +440,8 @@ class BackgroundArchiver:
     @property
     def owed(self) -> bool:
         with self._lock:
-            return self._history or self._checkpoint is not None or self._experts is not None
+            return self._history or any(x is not None for x in (self._checkpoint, self._experts, self._status,
+                                                                  self._logs))
 
     def close(self) -> None:
         """No more uploads; one still running finishes on its own (bounded by the store's timeouts)."""
@@ -384,15 +449,20 @@ class BackgroundArchiver:
             self._closed = True
         self._executor.shutdown(wait=False)
 
+    def _take(self) -> tuple:
+        with self._lock:
+            taken = (self._checkpoint, self._experts, self._history, self._status, self._logs)
+            self._checkpoint, self._experts, self._history, self._status, self._logs = None, None, False, None, None
+            return taken
+
     def _drain(self) -> None:
         while True:
-            with self._lock:
-                checkpoint, experts, history = self._checkpoint, self._experts, self._history
-                self._checkpoint, self._experts, self._history = None, None, False
-                if checkpoint is None and experts is None and not history:
+            checkpoint, experts, history, status, logs = taken = self._take()
+            if not any(taken):
+                with self._lock:
                     self._running = False
                     self._idle.set()
-                    return
+                return
             try:
                 if checkpoint is not None and checkpoint.exists():  # gone: a newer one replaced it locally
                     self.archive.save_checkpoint(checkpoint)
@@ -400,6 +470,12 @@ class BackgroundArchiver:
                     self.archive.save_experts(experts)
                 if history:
                     self.archive.save_history(self.run_dir)
+                if logs is not None:
+                    self.archive.save_logs(logs)
+                if status is not None:
+                    self.archive.write_bytes(STATUS_DOC, status)
+                if self.since is not None:
+                    self._read_stop_request()
             except Exception as e:  # never the supervisor's problem: it goes again at the next checkpoint
                 logger.warning("archiving the run to %s failed (retried at the next checkpoint): %s",
                                self.archive.uri, e)
@@ -408,6 +484,15 @@ class BackgroundArchiver:
                     self._checkpoint = self._checkpoint or checkpoint
                     self._experts = self._experts or experts
                     self._history = self._history or history
+                    self._status = self._status or status
+                    self._logs = self._logs or logs
                     self._running = False
                     self._idle.set()
                 return
+
+    def _read_stop_request(self) -> None:
+        request = self.archive.stop_request()
+        if request is not None and self.since is not None and request.get("at", 0.0) >= self.since:
+            if self.stop_request is None:
+                logger.warning("a stop was requested through the archive (%s)", request.get("by", "?"))
+            self.stop_request = request
