@@ -36,6 +36,7 @@ from orchestrator.chaos import faults as chaos_faults
 from orchestrator.chaos.faults import Fault, FaultSkipped, Node
 from orchestrator.chaos.report import ChaosReport, save_report, summarize
 from orchestrator.config.schema import ClusterConfig
+from orchestrator.fleet.ray_session import run_log
 from orchestrator.runs.chaos_report import FAULT_KINDS, RUN_PHASES, WORKER_PHASES
 from orchestrator.runs.checkpoints import checkpoint_directory
 from orchestrator.runs.invariants import (
@@ -48,6 +49,7 @@ from orchestrator.runs.invariants import (
     store_unreadable,
     supervisor_downtimes,
 )
+from orchestrator.runs.logs import RAY_DRIVER_LOG, log_path
 from orchestrator.runs.store import RunStore
 
 logger = logging.getLogger(__name__)
@@ -141,10 +143,11 @@ class ChaosRun:
         sockets_before = _own_sockets()
         with disk:
             RunStore.create(self.config).close()
-            try:
-                self._supervise()
-            finally:
-                self._end()
+            with run_log(log_path(self.run_dir, RAY_DRIVER_LOG)):  # Ray's console notices, not the terminal's
+                try:
+                    self._supervise()
+                finally:
+                    self._end()
         self._final_checks(sockets_before)
         return self.report
 

@@ -22,10 +22,11 @@ from rich.table import Table
 from orchestrator.cli import remote
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.fleet.ray_session import start_ray
+from orchestrator.fleet.ray_session import run_log, start_ray
 from orchestrator.host.wait import wait_for
 from orchestrator.runs import figures
 from orchestrator.runs import pid as run_pid
+from orchestrator.runs.logs import RAY_DRIVER_LOG, log_path
 from orchestrator.runs.store import RunStore
 
 
@@ -69,60 +70,62 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     supervisor = None
-    try:
-        start_ray(config.ray.address)
-        name = f"supervisor-{config.cluster_name}"
+    with run_log(log_path(run_dir, RAY_DRIVER_LOG)):  # Ray's console notices: the run's log, not the terminal
         try:
-            ray.get_actor(name)
-            raise NotStarted(f"run {config.cluster_name} already has a supervisor on this Ray cluster; "
-                             f"stop it first (spotswarm down {run_dir})")
-        except ValueError:
-            pass  # none yet: ours will be the only one
-        # on the head node, detached on a cluster: the run goes on if this command loses its connection
-        options: dict = {"name": name, "resources": {"node:__internal_head__": 0.001}}
-        if config.ray.address is not None:
-            options["lifetime"] = "detached"
-        supervisor = Supervisor.options(**options).remote(_with_absolute_paths(config).model_dump(mode="json"),
-                                                          str(run_dir.resolve()))
-        address = ray.get(supervisor.address.remote(), timeout=120)
-        console.print(f"run directory: {run_dir}")
-        console.print(f"bootstrap peer: {address}")
-        dashboard_url = ray.get(supervisor.dashboard.remote(), timeout=60)
-        if dashboard_url:
-            console.print(f"dashboard: {dashboard_url}")
-        started = time.monotonic()
-        status = ray.get(supervisor.status.remote(), timeout=60)
-        seen = 0
-        with (closing(RunStore.open(run_dir)) as store,
-              Live(_live_table(store, status), console=console, refresh_per_second=2, transient=False) as live):
-            while not stop.is_set():
-                if duration is not None and time.monotonic() - started >= duration:
-                    break
-                stop.wait(1.0)
-                status = ray.get(supervisor.status.remote(), timeout=60)
-                fresh = status["fleet_events_total"] - seen
-                for line in status["fleet_events"][-fresh:] if fresh > 0 else []:
-                    console.print(line)
-                seen = status["fleet_events_total"]
-                live.update(_live_table(store, status))
-                if status["budget_exhausted"] or status.get("fatal"):
-                    break
-                if status.get("stop_requested"):
-                    console.print(f"a stop was asked for through the archive ({status['stop_requested'].get('by')})")
-                    break
-        if not console.is_terminal:
-            console.line()  # a live table written to a file or pipe ends without a newline
-        console.print("stopping: a final checkpoint, then releasing every instance (the run's data is kept)")
-        ray.get(supervisor.stop.remote(), timeout=120 + config.checkpoint.final_timeout_s)
-        return status
-    finally:
-        if supervisor is not None:
-            ray.kill(supervisor)
-        if ray.is_initialized():
-            ray.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        run_pid.release(run_dir)
+            start_ray(config.ray.address)
+            name = f"supervisor-{config.cluster_name}"
+            try:
+                ray.get_actor(name)
+                raise NotStarted(f"run {config.cluster_name} already has a supervisor on this Ray cluster; "
+                                 f"stop it first (spotswarm down {run_dir})")
+            except ValueError:
+                pass  # none yet: ours will be the only one
+            # on the head node, detached on a cluster: the run goes on if this command loses its connection
+            options: dict = {"name": name, "resources": {"node:__internal_head__": 0.001}}
+            if config.ray.address is not None:
+                options["lifetime"] = "detached"
+            supervisor = Supervisor.options(**options).remote(_with_absolute_paths(config).model_dump(mode="json"),
+                                                              str(run_dir.resolve()))
+            address = ray.get(supervisor.address.remote(), timeout=120)
+            console.print(f"run directory: {run_dir}")
+            console.print(f"bootstrap peer: {address}")
+            dashboard_url = ray.get(supervisor.dashboard.remote(), timeout=60)
+            if dashboard_url:
+                console.print(f"dashboard: {dashboard_url}")
+            started = time.monotonic()
+            status = ray.get(supervisor.status.remote(), timeout=60)
+            seen = 0
+            with (closing(RunStore.open(run_dir)) as store,
+                  Live(_live_table(store, status), console=console, refresh_per_second=2, transient=False) as live):
+                while not stop.is_set():
+                    if duration is not None and time.monotonic() - started >= duration:
+                        break
+                    stop.wait(1.0)
+                    status = ray.get(supervisor.status.remote(), timeout=60)
+                    fresh = status["fleet_events_total"] - seen
+                    for line in status["fleet_events"][-fresh:] if fresh > 0 else []:
+                        console.print(line)
+                    seen = status["fleet_events_total"]
+                    live.update(_live_table(store, status))
+                    if status["budget_exhausted"] or status.get("fatal"):
+                        break
+                    if status.get("stop_requested"):
+                        by = status["stop_requested"].get("by")
+                        console.print(f"a stop was asked for through the archive ({by})")
+                        break
+            if not console.is_terminal:
+                console.line()  # a live table written to a file or pipe ends without a newline
+            console.print("stopping: a final checkpoint, then releasing every instance (the run's data is kept)")
+            ray.get(supervisor.stop.remote(), timeout=120 + config.checkpoint.final_timeout_s)
+            return status
+        finally:
+            if supervisor is not None:
+                ray.kill(supervisor)
+            if ray.is_initialized():
+                ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            run_pid.release(run_dir)
 
 
 def headline(run_dir: Path) -> figures.Headline:

@@ -3,15 +3,56 @@ run, the tests and the benchmarks start Ray as a driver, so each gets the same o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import tenacity
+
+# What Ray says on a driver's console that is not ours to show (its session's notices, its paragraphs for
+# a node or worker that died): here instead, which the run's log takes (``run_log``), not the terminal.
+RAY_CONSOLE = logging.getLogger("spotswarm.ray")
+RAY_CONSOLE.propagate = False
+RAY_CONSOLE.addHandler(logging.NullHandler())
+# Ray's loggers whose warnings are notices, not problems: token authentication enabled by default
+_NOTICES = ("ray._private.authentication.authentication_token_setup",)
 
 
 class RayConnectError(RuntimeError):
     """Ray could not be started or joined; the message says what to check."""
+
+
+class _ToRayConsole(logging.Filter):
+    """A record of one of Ray's notice loggers goes to ``RAY_CONSOLE`` instead of the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        RAY_CONSOLE.info("%s", record.getMessage())
+        return False
+
+
+def _quiet_notices() -> None:
+    for name in _NOTICES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ToRayConsole) for f in logger.filters):
+            logger.addFilter(_ToRayConsole())
+
+
+@contextlib.contextmanager
+def run_log(path: Path) -> Iterator[None]:
+    """While it lasts, what Ray says on this driver's console (``RAY_CONSOLE``) goes to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    RAY_CONSOLE.addHandler(handler)
+    RAY_CONSOLE.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        RAY_CONSOLE.removeHandler(handler)
+        handler.close()
 
 
 def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "spotswarm") -> None:
@@ -19,6 +60,7 @@ def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "s
     the CLI and the tests start Ray."""
     import ray
 
+    _quiet_notices()
     options = dict(include_dashboard=False, log_to_driver=False, configure_logging=False, namespace=namespace)
     if address is None:
         options.update(address="local", num_cpus=num_cpus)  # "local": never a cluster left over on this box
@@ -44,8 +86,9 @@ def start_ray(address: str | None = None, num_cpus: int = 2, namespace: str = "s
     _quiet_worker_deaths()
 
 
-# Ray's paragraphs for a worker process or a whole node that died: on a spot fleet, a preemption
-_PREEMPTION_NOISE = ("worker died or was killed", "has been marked dead because the detector")
+# Ray's paragraphs for a worker process or a whole node that died (a raylet's with the last 20 lines of
+# its log): on a spot fleet, a preemption
+_PREEMPTION_NOISE = ("worker died or was killed", "has been marked dead because the detector", "raylet is terminated")
 
 
 def _quiet_worker_deaths() -> None:
@@ -62,7 +105,7 @@ def _quiet_worker_deaths() -> None:
     def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
         if data.get("pid") == "raylet" and any(quiet in line.lower() for line in data.get("lines", ())
                                                 for quiet in _PREEMPTION_NOISE):
-            logging.getLogger("spotswarm.ray").debug("%s", " ".join(data["lines"]))
+            RAY_CONSOLE.debug("%s", " ".join(data["lines"]))
             return
         original(data, ignore_prefix)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from orchestrator.host.processes import processes_mentioning
 from orchestrator.runs.checkpoints import checkpoint_directory, checkpoint_epoch
 from orchestrator.runs.figures import cost_breakdown
-from orchestrator.runs.logs import LOG_DIR, SUPERVISOR_LOG, log_files
+from orchestrator.runs.logs import LOG_DIR, RAY_DRIVER_LOG, SUPERVISOR_LOG, log_files
 from orchestrator.runs.store import RunStore, summarize_costs
 
 COST_TOLERANCE = 1e-9  # dollars: the breakdown and the total are the same sums in another order
@@ -131,8 +131,10 @@ def expected_logs(store: RunStore) -> list[str]:
 
 
 def run_logs(run_dir: Path) -> list[Path]:
-    """Every log file of the run: ``*.log`` anywhere in the run directory and the rotated ones in ``logs/``."""
-    return sorted({*run_dir.rglob("*.log"), *(run_dir / LOG_DIR).glob("*.log.*")})
+    """Every log file of the run: ``*.log`` anywhere in the run directory and the rotated ones in ``logs/``
+    (not Ray's console on the driver: its dumps for a node killed on purpose are not the run's errors)."""
+    found = {*run_dir.rglob("*.log"), *(run_dir / LOG_DIR).glob("*.log.*")}
+    return sorted(p for p in found if not p.name.startswith(RAY_DRIVER_LOG + ".log"))
 
 
 def check_logs_present(run_dir: Path, names: Iterable[str]) -> list[Violation]:

@@ -16,6 +16,9 @@ from types import TracebackType
 
 LOG_DIR = "logs"
 SUPERVISOR_LOG = "supervisor"
+# what Ray prints on the console of the process that drives the run (its notices, its paragraphs for a
+# node that died, with the end of the raylet's own log): kept, and not scanned for the run's errors
+RAY_DRIVER_LOG = "ray-driver"
 MAX_BYTES = 10 * 2**20  # per file; with the backups a process keeps at most 30 MiB of log
 BACKUPS = 2
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

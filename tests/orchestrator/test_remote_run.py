@@ -69,6 +69,9 @@ def test_up_publishes_to_its_archive_and_down_from_elsewhere_stops_it_cleanly(tm
         if up.poll() is None:
             up.kill()
             up.wait(30)
-    assert "a stop was asked for through the archive" in out.read_text()
+    said = out.read_text()
+    assert "a stop was asked for through the archive" in said
+    assert "Token authentication" not in said  # Ray's notices: the run's log, not the terminal
+    assert (head / "runs" / "rr" / "logs" / "ray-driver.log").is_file()
     assert archive.status()["state"] == "stopped" and archive.status()["live"] == 0
     assert not (laptop / "runs").exists()  # the laptop wrote nothing of the run
