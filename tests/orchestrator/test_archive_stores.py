@@ -1,5 +1,6 @@
-"""One archive interface for every store (fsspec): Cloud Storage (gcp-storage-emulator, real HTTP, gcsfs)
-and a local directory hold and restore a run exactly as S3 does (``test_aws_s3.py``, moto)."""
+"""One archive interface for every store (fsspec): S3 (moto in server mode, s3fs), Cloud Storage
+(gcp-storage-emulator, gcsfs), both over real HTTP, and a local directory hold and restore a run alike.
+S3's own cases (throttling, the background uploader, resume's misuse) are ``test_aws_s3.py``'s."""
 
 from __future__ import annotations
 
@@ -32,15 +33,21 @@ def config_data(tmp_path: Path, uri: str, endpoint: str | None) -> dict:
     }
 
 
-@pytest.fixture(params=["gs", "directory"])
+@pytest.fixture(params=["s3", "gs", "directory"])
 def where(request, tmp_path: Path) -> tuple[str, str | None]:
     """(checkpoint.uri, checkpoint.endpoint_url) of a fresh archive."""
+    if request.param == "s3":
+        boto3 = pytest.importorskip("boto3")
+        pytest.importorskip("s3fs")
+        moto = request.getfixturevalue("aws")
+        boto3.client("s3", endpoint_url=moto).create_bucket(Bucket=BUCKET)
+        return f"s3://{BUCKET}/{tmp_path.name}/r", moto
     if request.param == "gs":
         return f"gs://{BUCKET}/{tmp_path.name}/r", request.getfixturevalue("gcs")
     return str(tmp_path / "archive" / "r"), None
 
 
-def test_a_run_archived_to_gcs_or_a_directory_is_restored_with_its_rows_and_newest_checkpoint(tmp_path, where):
+def test_an_archived_run_is_restored_with_its_rows_and_newest_checkpoint_only_keep_kept(tmp_path, where):
     uri, endpoint = where
     config = ClusterConfig.model_validate(config_data(tmp_path, uri, endpoint))
     archive = RunArchive.for_config(config)
@@ -59,12 +66,15 @@ def test_a_run_archived_to_gcs_or_a_directory_is_restored_with_its_rows_and_newe
         assert restored.progress_rows() == before["progress"]
         events = restored.events()
         assert events[:-1] == before["events"]
-        assert json.loads(events[-1][3]) == {"from": uri, "epoch": 3}
+        assert events[-1][1] == "restored" and json.loads(events[-1][3]) == {"from": uri, "epoch": 3}
+        paths = restored.db.execute("SELECT epoch, path FROM checkpoints ORDER BY epoch").fetchall()
+        assert paths == [(e, str(fresh / "checkpoints" / f"epoch-{e:06d}.pt")) for e in (1, 2, 3)]
         assert restored.latest_checkpoint() == (3, fresh / "checkpoints" / "epoch-000003.pt")
         assert restored.config() == config
     finally:
         restored.close()
     assert (fresh / "checkpoints" / "epoch-000003.pt").read_bytes() == contents[3]
+    assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["epoch-000003.pt"]
     with pytest.raises(FileExistsError):  # never over a run that is there
         archive.restore(fresh)
 

@@ -66,38 +66,6 @@ def config(tmp_path: Path, bucket: str) -> ClusterConfig:
     return ClusterConfig.model_validate(config_data(tmp_path, bucket))
 
 
-def test_archive_round_trip_restores_rows_the_newest_checkpoint_and_keeps_only_keep(tmp_path, config, bucket):
-    archive = RunArchive.for_config(config)
-    store = RunStore.create(config)
-    contents = fill_store(store, archive)
-    archive.save_history(store)
-    before = {"instances": store.instances(), "events": store.events(), "progress": store.progress_rows()}
-    store.close()
-
-    assert archived_names(bucket, "checkpoints") == ["epoch-000002.pt", "epoch-000003.pt"]  # keep: 2
-    assert archived_names(bucket, "history") == ["config.yaml", "run.sqlite"]
-    fresh = tmp_path / "elsewhere" / "r"
-    assert archive.restore(fresh) == 3
-
-    restored = RunStore.open(fresh)
-    try:
-        assert restored.instances() == before["instances"]
-        assert restored.progress_rows() == before["progress"]
-        events = restored.events()
-        assert events[:-1] == before["events"]
-        assert events[-1][1] == "restored" and json.loads(events[-1][3]) == {"from": URI, "epoch": 3}
-        paths = restored.db.execute("SELECT epoch, path FROM checkpoints ORDER BY epoch").fetchall()
-        assert paths == [(e, str(fresh / "checkpoints" / f"epoch-{e:06d}.pt")) for e in (1, 2, 3)]
-        assert restored.latest_checkpoint() == (3, fresh / "checkpoints" / "epoch-000003.pt")
-        assert restored.config() == config
-    finally:
-        restored.close()
-    assert (fresh / "checkpoints" / "epoch-000003.pt").read_bytes() == contents[3]
-    assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["epoch-000003.pt"]
-    with pytest.raises(FileExistsError):
-        archive.restore(fresh)  # never over a run that is there
-
-
 def test_expert_checkpoints_are_archived_in_the_background_and_restored(tmp_path, config, bucket):
     archive = RunArchive.for_config(config)
     store = RunStore.create(config)
