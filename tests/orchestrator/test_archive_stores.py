@@ -102,9 +102,9 @@ def test_a_missing_gcs_bucket_is_a_clear_error_naming_the_uri(tmp_path, gcs):
     assert not isinstance(raised.value, ArchiveMissing)
 
 
-def test_resume_from_a_yaml_restores_a_vanished_run_from_gcs(tmp_path, gcs):
-    uri = f"gs://{BUCKET}/{tmp_path.name}/r"
-    data = config_data(tmp_path, uri, gcs)
+def test_resume_from_a_yaml_restores_a_vanished_run_once(tmp_path, where):
+    uri, endpoint = where
+    data = config_data(tmp_path, uri, endpoint)
     config = ClusterConfig.model_validate(data)
     archive = RunArchive.for_config(config)
     store = RunStore.create(config)
@@ -118,8 +118,17 @@ def test_resume_from_a_yaml_restores_a_vanished_run_from_gcs(tmp_path, gcs):
     yaml_path.write_text(yaml.safe_dump(data))
     out = io.StringIO()
     run_dir = cluster.resume_target(str(yaml_path), Console(file=out, width=200))
+    assert run_dir == config.run_dir()
     assert f"restored run r from {uri} at checkpoint epoch 3" in out.getvalue()
     assert (run_dir / "checkpoints" / "epoch-000003.pt").read_bytes() == contents[3]
+    assert cluster.resume_target(str(yaml_path), Console(file=out)) == run_dir  # local now: no second restore
+    assert cluster.resume_target(str(run_dir), Console(file=out)) == run_dir  # a run directory, as before
+    store = RunStore.open(run_dir)
+    try:
+        assert [json.loads(e[3]) for e in store.events("restored")] == [{"from": uri, "epoch": 3}]
+        assert store.latest_checkpoint() == (3, run_dir / "checkpoints" / "epoch-000003.pt")
+    finally:
+        store.close()
 
 
 def test_resume_from_an_empty_gcs_prefix_exits_2_and_creates_nothing(tmp_path, gcs, capsys):

@@ -1,10 +1,10 @@
-"""Durable run state in S3 (moto in server mode, real HTTP): archive, restore, resume from a YAML."""
+"""Durable run state in S3 (moto in server mode, real HTTP): expert checkpoints, a consistent snapshot
+under writes, a missing bucket, throttling, the background uploader, resume's misuse.  The round trip
+and resume from a YAML, for every store, are ``test_archive_stores.py``'s."""
 
 from __future__ import annotations
 
 import errno
-import io
-import json
 import logging
 import sqlite3
 import threading
@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import tenacity
-from rich.console import Console
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
 
-from orchestrator.cli import cluster  # noqa: E402
 from orchestrator.cli.main import main  # noqa: E402
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.runs.durable import (  # noqa: E402
@@ -247,31 +245,6 @@ def write_yaml(tmp_path: Path, endpoint: str, **checkpoint) -> Path:
     data["checkpoint"] = {k: v for k, v in {**data["checkpoint"], **checkpoint}.items() if v is not None}
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def test_resume_from_a_yaml_restores_a_vanished_run_from_s3_once(tmp_path, config, bucket):
-    archive = RunArchive.for_config(config)
-    store = RunStore.create(config)
-    contents = fill_store(store, archive)
-    archive.save_history(store)
-    store.close()
-    for path in sorted(config.run_dir().rglob("*"), reverse=True):  # the head machine vanished
-        path.rmdir() if path.is_dir() else path.unlink()
-
-    out = io.StringIO()
-    yaml_path = write_yaml(tmp_path, bucket)
-    run_dir = cluster.resume_target(str(yaml_path), Console(file=out, width=200))
-    assert run_dir == config.run_dir()
-    assert f"restored run r from {URI} at checkpoint epoch 3" in out.getvalue()
-    assert (run_dir / "checkpoints" / "epoch-000003.pt").read_bytes() == contents[3]
-    assert cluster.resume_target(str(yaml_path), Console(file=out)) == run_dir  # local now: no second restore
-    assert cluster.resume_target(str(run_dir), Console(file=out)) == run_dir  # a run directory, as before
-    store = RunStore.open(run_dir)
-    try:
-        assert [json.loads(e[3]) for e in store.events("restored")] == [{"from": URI, "epoch": 3}]
-        assert store.latest_checkpoint() == (3, run_dir / "checkpoints" / "epoch-000003.pt")
-    finally:
-        store.close()
 
 
 def test_resume_misuse_exits_2_with_a_clear_message(tmp_path, bucket, capsys):
