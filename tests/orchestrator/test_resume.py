@@ -124,9 +124,10 @@ def test_resume_after_the_supervisor_ray_and_the_fleet_are_sigkilled(tmp_path):
     # many epochs the last checkpoint is behind the stop
     (last_checkpoint,), = rows(db, "SELECT MAX(epoch) FROM checkpoints")
     missed_rows = rows(db, "SELECT detail FROM events WHERE kind = 'final_checkpoint_missed'")
-    if not missed_rows:  # a periodic checkpoint had caught the stop's epoch (a slow, loaded run): nothing missed
+    if not missed_rows:  # a checkpoint already held the stop's epoch or a newer one (a slow, loaded run; or a
+        # file the killed supervisor wrote and never recorded, which the resumed one found and served)
         (detail,), = rows(db, "SELECT detail FROM events WHERE kind = 'final_checkpoint'")
-        assert json.loads(detail)["written"] is False and json.loads(detail)["epoch"] == last_checkpoint == max(after)
+        assert json.loads(detail)["written"] is False and json.loads(detail)["epoch"] == last_checkpoint >= max(after)
         return
     (detail,), = missed_rows
     missed = json.loads(detail)
