@@ -252,7 +252,7 @@ def resume(target: str, duration: float | None, console: Console, address: str |
 def status(target: str, console: Console) -> int:
     """A run's figures: from its run directory, or its cluster YAML (on another machine than the head: from
     the run's archive)."""
-    with remote.run_view(target, console) as run_dir:
+    with remote.run_view(target, console) as (run_dir, _):
         print_summary(run_dir, console)
     return 0
 
@@ -265,7 +265,7 @@ def dashboard(target: str, host: str, port: int, open_browser: bool, console: Co
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with remote.run_view(target, console) as run_dir, DashboardServer(run_dir, host, port) as server:
+        with remote.run_view(target, console) as (run_dir, _), DashboardServer(run_dir, host, port) as server:
             console.print(f"dashboard: {server.url}  (run {target}; Ctrl-C stops it)", soft_wrap=True)
             if open_browser:
                 import webbrowser
@@ -283,8 +283,7 @@ def report(target: str, out: str | None, console: Console) -> int:
     ``./<cluster>-report`` unless ``out`` says where."""
     from orchestrator.ui.report import write_report
 
-    archived = remote.local_run(target)[0] is None
-    with remote.run_view(target, console) as run_dir:
+    with remote.run_view(target, console) as (run_dir, archived):
         default = Path(f"{run_dir.name}-report") if archived else None  # not in the snapshot's temporary folder
         written = write_report(run_dir, Path(out) if out else default)
     console.print(f"report: {written.index} ({len(written.plots)} plots)")

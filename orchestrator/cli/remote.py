@@ -1,6 +1,6 @@
 """A run watched and stopped from any machine with the archive's credentials, through its archive
 (``checkpoint.uri``), with no inbound port on the head: the head publishes a status document every
-few seconds and the run store's snapshot and logs every half minute (``fleet/supervisor.py``), and
+few seconds, the run store's snapshot every half minute and its logs every five (``fleet/supervisor.py``), and
 reads a stop request written there.  ``status``, ``report``, ``dashboard`` and ``logs`` read a
 snapshot of it; ``down`` writes the request and waits for the head's answer."""
 
@@ -46,13 +46,13 @@ def archive_of(config: ClusterConfig, target: str) -> RunArchive:
 
 
 @contextmanager
-def run_view(target: str, console: Console) -> Iterator[Path]:
-    """The run directory to read for TARGET: a run directory; a cluster YAML's own when this machine
-    has it; else a snapshot of the run's archive in a temporary directory, after a line saying how old
-    the head's last word is."""
+def run_view(target: str, console: Console) -> Iterator[tuple[Path, bool]]:
+    """The run directory to read for TARGET, and whether it is the archive's: a run directory; a cluster
+    YAML's own when this machine has it; else a snapshot of the run's archive in a temporary directory,
+    after a line saying how old the head's last word is."""
     run_dir, config = local_run(target)
     if run_dir is not None:
-        yield run_dir
+        yield run_dir, False
         return
     assert config is not None
     archive = archive_of(config, target)
@@ -63,7 +63,7 @@ def run_view(target: str, console: Console) -> Iterator[Path]:
         except ArchiveMissing as e:
             raise RunNotFound(f"no run at {config.run_dir()}, and none archived: {e}") from None
         console.print(published_line(archive.status(), archive.uri), soft_wrap=True)
-        yield view
+        yield view, True
 
 
 def published_line(doc: dict | None, uri: str) -> str:

@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 MIN_FINAL_CHECKPOINT_S = 2.0
 ARCHIVE_FLUSH_S = 30.0  # how long stop()/detach() wait for the last upload of the history
 PUBLISH_S = 5.0  # the status document goes to the archive this often (real seconds) ...
-PUBLISH_HISTORY_S = 30.0  # ... and the run store's snapshot and the logs this often, and at every checkpoint
+PUBLISH_HISTORY_S = 30.0  # ... the run store's snapshot this often (and at every checkpoint) ...
+PUBLISH_LOGS_S = 300.0  # ... and the logs that changed this often, and at the stop: a log goes up whole
 
 
 class SimClock:
@@ -106,7 +107,7 @@ class SupervisorCore:
         archive = RunArchive.for_config(config)  # checkpoint.uri: the run outlives its head machine
         # since: a stop asked for through the archive before this supervisor started is an old one
         self.archiver = BackgroundArchiver(archive, self.store.dir, since=time.time()) if archive else None
-        self._published = self._history_published = float("-inf")  # monotonic
+        self._published = self._history_published = self._logs_published = float("-inf")  # monotonic
         identity = Identity.from_file(self.store.dir / "head.key")
         self.certifier = self._certifier()
         self.dht = self._start_dht(identity)
@@ -341,9 +342,9 @@ class SupervisorCore:
             self._publish()
 
     def _publish(self) -> None:
-        """The status document to the archive every ``PUBLISH_S``, the store's snapshot and the logs every
-        ``PUBLISH_HISTORY_S``: what ``status``, ``dashboard``, ``logs`` and ``down`` read on another
-        machine (on the archiver's thread: the tick never waits on the store)."""
+        """The status document to the archive every ``PUBLISH_S``, the store's snapshot every
+        ``PUBLISH_HISTORY_S``, the logs every ``PUBLISH_LOGS_S``: what ``status``, ``dashboard``, ``logs``
+        and ``down`` read on another machine (on the archiver's thread: the tick never waits on the store)."""
         at = time.monotonic()
         if self.archiver is None or at - self._published < PUBLISH_S:
             return
@@ -351,8 +352,11 @@ class SupervisorCore:
         history = at - self._history_published >= PUBLISH_HISTORY_S
         if history:
             self._history_published = at
+        logs = at - self._logs_published >= PUBLISH_LOGS_S
+        if logs:
+            self._logs_published = at
         self.archiver.submit(history=history, status=self._status_doc("running"),
-                             logs=self.policy.log_dir if history else None)
+                             logs=self.policy.log_dir if logs else None)
 
     def _status_doc(self, state: str) -> bytes:
         policy = self.policy
