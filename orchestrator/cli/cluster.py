@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import closing, suppress
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from rich.live import Live
 from rich.table import Table
 
 from orchestrator.cli import remote
+from orchestrator.cli.refusals import NotStarted, ResumeError
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.fleet.ray_session import run_log, start_ray
+from orchestrator.fleet.registry import terminate_cloud_run
 from orchestrator.host.wait import wait_for
 from orchestrator.runs import figures
 from orchestrator.runs import pid as run_pid
@@ -128,6 +131,17 @@ def run_foreground(config: ClusterConfig, run_dir: Path, duration: float | None,
             run_pid.release(run_dir)
 
 
+def _following(action: Callable[[threading.Event], int]) -> int:
+    """Run ``action`` with an event that Ctrl-C (or SIGTERM) sets instead of interrupting it."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return action(stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def headline(run_dir: Path) -> figures.Headline:
     """The run's headline figures, live or finished (the same ones the dashboard shows)."""
     with closing(RunStore.open(run_dir)) as store:
@@ -138,14 +152,6 @@ def headline(run_dir: Path) -> figures.Headline:
 def print_summary(run_dir: Path, console: Console) -> None:
     h = headline(run_dir)
     console.print(_figures_table(f"run {h.cluster}: summary", h))
-
-
-class NotStarted(RuntimeError):
-    """``up`` or ``resume`` refused before anything was created or launched."""
-
-
-class ResumeError(NotStarted):
-    """``resume``'s TARGET names no run this machine has or can restore; nothing was started."""
 
 
 def preflight(config: ClusterConfig) -> None:
@@ -186,8 +192,15 @@ def finish(status: dict, run_dir: Path, console: Console) -> int:
     return 0
 
 
-def up(config_path: str, duration: float | None, console: Console, address: str | None = None) -> int:
+def up(config_path: str, duration: float | None, console: Console, address: str | None = None,
+       boot_timeout_s: float = 900.0) -> int:
+    """Start a run: here (a local Ray session, or the cluster at ``address``), or, for a cloud run that names
+    ``head_node_type`` and no address, on a head launched for it (``cli/launch.py``)."""
     config = load_cluster_config(config_path)  # ConfigError before anything starts
+    from orchestrator.cli.launch import launch, launches_head
+
+    if launches_head(config, address):
+        return _following(lambda stop: launch(config_path, duration, console, "up", boot_timeout_s, stop))
     config = config.with_ray_address(address)
     preflight(config)
     RunStore.create(config).close()
@@ -233,8 +246,16 @@ def restore_run(config: ClusterConfig, run_dir: Path) -> int | None:
         raise ResumeError(f"no run at {run_dir}, and none archived: {e}") from None
 
 
-def resume(target: str, duration: float | None, console: Console, address: str | None = None) -> int:
-    """Continue a run from a run directory or a cluster YAML (see ``resume_target``)."""
+def resume(target: str, duration: float | None, console: Console, address: str | None = None,
+           boot_timeout_s: float = 900.0) -> int:
+    """Continue a run from a run directory or a cluster YAML (see ``resume_target``); a cloud run that names
+    ``head_node_type``, given by its YAML where this machine has no run, resumes on a new head launched for it."""
+    if Path(target).is_file():
+        from orchestrator.cli.launch import launch, launches_head
+
+        config = load_cluster_config(target)
+        if launches_head(config, address) and not (config.run_dir() / "run.sqlite").exists():
+            return _following(lambda stop: launch(target, duration, console, "resume", boot_timeout_s, stop))
     path = resume_target(target, console)
     refuse_if_up(path, path.name)
     with closing(RunStore.open(path)) as store:
@@ -305,21 +326,12 @@ def down(target: str, console: Console, address: str | None = None) -> int:
         if not remote.down_through_archive(config, console) and config.provider.type not in ("aws", "gcp"):
             code = 1
     if config.provider.type in ("aws", "gcp"):
-        ids = _terminate_cloud_run(config)
+        ids = terminate_cloud_run(config)
         console.print(f"{config.cluster_name}: terminated {len(ids)} instance{'s' if len(ids) != 1 else ''} "
                       f"tagged with the run" + (f" ({', '.join(ids)})" if ids else ""))
     elif not (config.run_dir() / "run.sqlite").exists() and not config.checkpoint.uri:
         console.print(f"{target}: no run at {config.run_dir()}; nothing to stop")
     return code
-
-
-def _terminate_cloud_run(config: ClusterConfig) -> list[str]:
-    """Terminate every instance of the run in its cloud (EC2 tags, GCE labels); their ids."""
-    if config.provider.type == "gcp":
-        from orchestrator.providers.gcp import terminate_run
-    else:
-        from orchestrator.providers.aws import terminate_run
-    return terminate_run(config)
 
 
 def _down_run(run_dir: str, console: Console, address: str | None = None) -> int:

@@ -53,7 +53,8 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     from orchestrator.runs.durable import ArchiveError
 
     try:
-        return getattr(cluster, command)(target, args.duration, _console(), address=args.address)
+        return getattr(cluster, command)(target, args.duration, _console(), address=args.address,
+                                         boot_timeout_s=args.boot_timeout)
     except ConfigError as e:
         print(f"spotswarm {command}: invalid config, nothing started:\n{e}", file=sys.stderr)
         return 2
@@ -77,6 +78,12 @@ def _up(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     return _foreground("resume", args.target, args)
+
+
+def _head_boot(args: argparse.Namespace) -> int:
+    from orchestrator.cli.head_boot import boot_head
+
+    return boot_head(args.uri, args.endpoint_url)
 
 
 def validate(path: str, warnings: list[str] | None = None) -> tuple[bool, str]:
@@ -298,11 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default="cluster_configs/local.yaml", help="cluster YAML (default: local.yaml)")
     demo.add_argument("--duration", type=float, default=150.0, help="seconds to run (default 150)")
     demo.set_defaults(func=_demo)
-    upp = sub.add_parser("up", help="start a run from a cluster YAML (foreground; Ctrl-C stops it cleanly)")
+    upp = sub.add_parser("up", help="start a run from a cluster YAML (foreground; Ctrl-C stops it cleanly); a cloud "
+                                    "run naming head_node_type launches its head and is followed from here")
     upp.add_argument("config", help="cluster YAML, e.g. cluster_configs/local.yaml")
     upp.add_argument("--duration", type=float, help="stop after this many seconds")
     upp.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
                      help="join this Ray cluster instead of starting one (overrides ray.address)")
+    upp.add_argument("--boot-timeout", type=float, default=900.0, metavar="S",
+                     help="a launched head with no word in the archive this long after its launch has failed: "
+                          "its console is shown and everything launched terminated (default 900)")
     upp.set_defaults(func=_up)
     res = sub.add_parser("resume", help="continue a run after its fleet, supervisor or Ray died")
     res.add_argument("target", metavar="TARGET",
@@ -311,7 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--duration", type=float, help="stop after this many seconds")
     res.add_argument("--address", type=_ray_address, metavar="auto|HOST:PORT",
                      help="join this Ray cluster instead of starting one (overrides ray.address)")
+    res.add_argument("--boot-timeout", type=float, default=900.0, metavar="S",
+                     help="a launched head with no word in the archive this long after its launch has failed: "
+                          "its console is shown and everything launched terminated (default 900)")
     res.set_defaults(func=_resume)
+    hb = sub.add_parser("head-boot", help="what a head launched by `up` runs at boot: takes the run from its archive, "
+                                          "starts Ray and the supervisor")
+    hb.add_argument("uri", help="the run's archive (checkpoint.uri)")
+    hb.add_argument("--endpoint-url", help="the archive's endpoint (checkpoint.endpoint_url)")
+    hb.set_defaults(func=_head_boot)
     va = sub.add_parser("validate", help="check a cluster YAML without starting anything")
     va.add_argument("config", help="cluster YAML")
     va.set_defaults(func=_validate)

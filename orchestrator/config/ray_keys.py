@@ -14,17 +14,18 @@ from orchestrator.config.schema import ClusterConfig, NodeType, ProviderConfig
 # and autoscaler read beyond it) that spotswarm does not use, by section, each with why.  A Ray YAML
 # loads: these are removed before validation, each with a warning; a key neither knows stays an error.
 _BOOT = "every instance runs spotswarm's boot script instead (see spotswarm bootstrap-script)"
+_START = ("spotswarm's boot script starts Ray itself, after initialization_commands, setup_commands and "
+          "head_setup_commands or worker_setup_commands")
 _SSH = "spotswarm does not SSH into instances or sync files to them"
 _SIZE = "the fleet follows each node type's min_workers and max_workers and the spot policy"
 _IGNORED = "ignored"
 RAY_LAUNCHER_KEYS: dict[str, dict[str, str]] = {
     "": {  # top level
         "auth": _SSH, "cluster_synced_files": _SSH, "docker": _BOOT, "file_mounts": _SSH,
-        "file_mounts_sync_continuously": _SSH, "head_setup_commands": _BOOT, "head_start_ray_commands": _BOOT,
-        "idle_timeout_minutes": _SIZE, "initialization_commands": _BOOT, "max_workers": _SIZE,
+        "file_mounts_sync_continuously": _SSH, "head_start_ray_commands": _START,
+        "idle_timeout_minutes": _SIZE, "max_workers": _SIZE,
         "metadata": _IGNORED, "no_restart": _BOOT, "rsync_exclude": _SSH, "rsync_filter": _SSH,
-        "setup_commands": _BOOT, "upscaling_speed": _SIZE, "worker_setup_commands": _BOOT,
-        "worker_start_ray_commands": _BOOT,
+        "upscaling_speed": _SIZE, "worker_start_ray_commands": _START,
     },
     "provider": {
         **dict.fromkeys((

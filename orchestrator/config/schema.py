@@ -379,6 +379,13 @@ class ClusterConfig(_Strict):
     network: NetworkConfig = NetworkConfig()
     membership: MembershipConfig = MembershipConfig()
     experts: ExpertsConfig = ExpertsConfig()
+    # Ray's boot commands, run by each machine's boot script in Ray's order before spotswarm starts there:
+    # initialization_commands, setup_commands, then head_setup_commands (the head launched by ``up``) or
+    # worker_setup_commands (the fleet); each is one ``bash -c``, and a failure ends the boot, named
+    initialization_commands: list[str] = []
+    setup_commands: list[str] = []
+    head_setup_commands: list[str] = []
+    worker_setup_commands: list[str] = []
 
     @pydantic.model_validator(mode="after")
     def _roles(self) -> ClusterConfig:

@@ -4,9 +4,13 @@ above both, so that the providers never import the simulator and the simulator n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.config.clouds import provider_problem
 from orchestrator.providers.base import NodeProvider
+
+if TYPE_CHECKING:
+    from orchestrator.config.schema import ClusterConfig
 
 
 def make_provider(config, clock, run_dir: Path) -> NodeProvider:
@@ -30,3 +34,13 @@ def make_provider(config, clock, run_dir: Path) -> NodeProvider:
     from orchestrator.sim.actors import LocalSpotProvider
 
     return LocalSpotProvider(config, clock, run_dir=Path(run_dir))
+
+
+def terminate_cloud_run(config: ClusterConfig, tags: dict[str, str] | None = None) -> list[str]:
+    """Terminate every instance of the run in its cloud (EC2 tags, GCE labels), or those with ``tags``
+    too; their ids."""
+    if config.provider.type == "gcp":
+        from orchestrator.providers.gcp import terminate_run
+    else:
+        from orchestrator.providers.aws import terminate_run
+    return terminate_run(config, tags=tags)

@@ -36,7 +36,7 @@ from orchestrator.fleet.workers import RayWorkers
 from orchestrator.instance.actor import announce_host
 from orchestrator.instance.notices import instance_watch
 from orchestrator.providers.base import Instance, LaunchSpec
-from orchestrator.providers.bootstrap import NODE_IP_SHELL, ray_auth_token, render_boot_script
+from orchestrator.providers.bootstrap import HEAD_INSTANCE_ENV, NODE_IP_SHELL, ray_auth_token, render_boot_script
 from orchestrator.runs.durable import BackgroundArchiver, RunArchive
 from orchestrator.runs.logs import SUPERVISOR_LOG, log_dir, log_path, log_to_file, stop_logging
 from orchestrator.runs.store import RoundRecord, RunStore
@@ -362,7 +362,9 @@ class SupervisorCore:
         policy = self.policy
         return json.dumps({"cluster": self.config.cluster_name, "state": state, "published_at": time.time(),
                            "epoch": self.epoch, "live": len(policy.live), "status": policy.status_text,
-                           "head": socket.gethostname(), "address": self.address}).encode()
+                           "head": socket.gethostname(), "address": self.address,
+                           # the head machine `spotswarm up` launched, if it did: a laptop tells a lost head by it
+                           "head_instance": os.environ.get(HEAD_INSTANCE_ENV)}).encode()
 
     def _renew_certificates(self) -> None:
         """Members' certificates with half their lifetime left get fresh ones (never waits on a worker)."""

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.host.ports import free_port
-from orchestrator.host.processes import kill_session
+from orchestrator.host.processes import kill_session, kill_tree
 from orchestrator.host.wait import wait_for
 
 logger = logging.getLogger(__name__)
@@ -22,11 +22,13 @@ class RayHead:
 
     Its ports come from ``free_port`` (never ``bind(0)``: see there), its temp dir is the caller's
     (short: Ray's socket paths must fit in 107 bytes), and ``env`` is all of its environment: token
-    authentication and health-check settings are the caller's to choose."""
+    authentication and health-check settings are the caller's to choose.  ``new_session``: False on a
+    head machine, whose boot script's session is the machine (its end ends the head too)."""
 
     def __init__(self, temp_dir: Path, log_path: Path, env: dict[str, str], num_cpus: int = 1,
-                 node_ip: str | None = None) -> None:
+                 node_ip: str | None = None, new_session: bool = True) -> None:
         self.temp_dir, self.log_path, self.env = Path(temp_dir), Path(log_path), env
+        self.new_session = new_session
         self.address: str | None = None
         ray = Path(sys.executable).with_name("ray")
         command = [str(ray), "start", "--head", f"--port={free_port()}", f"--num-cpus={num_cpus}",
@@ -37,7 +39,7 @@ class RayHead:
             command.insert(3, f"--node-ip-address={node_ip}")
         with open(self.log_path, "wb") as out:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
+                                            env=env, start_new_session=new_session)
 
     @property
     def pid(self) -> int:
@@ -68,9 +70,12 @@ class RayHead:
         raise RuntimeError(f"the Ray head exited ({self.process.returncode}):\n{log}")
 
     def stop(self, grace_s: float = 0.0) -> None:
-        """Every process of its session: SIGTERM and ``grace_s`` seconds first, or (0) SIGKILL at once,
-        as a head machine's power cut."""
-        kill_session(self.pid, grace_s)
+        """Every process of its session (or, sharing its caller's, of its tree): SIGTERM and ``grace_s``
+        seconds first, or (0) SIGKILL at once, as a head machine's power cut."""
+        if self.new_session:
+            kill_session(self.pid, grace_s)
+        else:
+            kill_tree(self.pid, grace_s=grace_s)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -16,12 +16,14 @@ own IMDS watchers, not from here; ``poll_terminated`` reconciles with ``describe
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import time
 from typing import Any
 
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.config.tags import RUN_TAG
+from orchestrator.config.tags import NODE_TYPE_TAG, RUN_TAG
 from orchestrator.providers.base import (
     CapacityError,
     Instance,
@@ -294,7 +296,30 @@ class AwsProvider(CloudProvider):
     def _machine(self, described: dict) -> Machine:
         return Machine(described["InstanceId"], {t["Key"]: t["Value"] for t in described.get("Tags", [])},
                        described["Placement"]["AvailabilityZone"], described.get("InstanceLifecycle") == "spot",
-                       described["LaunchTime"].timestamp(), described.get(REGION_KEY, ""))
+                       described["LaunchTime"].timestamp(), described.get(REGION_KEY, ""),
+                       described.get("PrivateIpAddress", ""), described.get("State", {}).get("Name", ""))
+
+    def heads(self) -> list[Machine]:
+        if self.config.head_node_type is None:
+            return []
+        tags = {RUN_TAG: self.config.cluster_name, NODE_TYPE_TAG: self.config.head_node_type}
+        return [self._machine(d) for d in self._describe(tags, ["pending", "running"])]
+
+    def release_head(self, machine: Machine) -> None:
+        try:
+            self._call("terminate_instances", region=machine.region or None, InstanceIds=[machine.handle])
+        except ProviderError as e:
+            if "InvalidInstanceID.NotFound" not in str(e):
+                raise
+
+    def console_output(self, machine: Machine) -> str:
+        answer = self._call("get_console_output", region=machine.region or None, InstanceId=machine.handle,
+                            Latest=True)
+        output = answer.get("Output") or ""
+        try:  # EC2 sends it base64-encoded
+            return base64.b64decode(output, validate=True).decode(errors="replace")
+        except (binascii.Error, ValueError):
+            return output
 
     def _release(self, described: dict) -> None:
         self._call("terminate_instances", region=described.get(REGION_KEY), InstanceIds=[described["InstanceId"]])
@@ -334,12 +359,13 @@ class AwsProvider(CloudProvider):
             ec2.close()
 
 
-def terminate_run(config: ClusterConfig, clock: Any = time.time) -> list[str]:
-    """Terminate every instance tagged with the run, in every region the config names (``spotswarm
-    down`` when no head is left)."""
+def terminate_run(config: ClusterConfig, clock: Any = time.time, tags: dict[str, str] | None = None) -> list[str]:
+    """Terminate every instance tagged with the run (and with ``tags``, if given), in every region the
+    config names (``spotswarm down`` when no head is left)."""
     provider = AwsProvider(config, clock)
     try:
-        found = provider._describe({RUN_TAG: config.cluster_name}, ["pending", "running", "stopping", "stopped"])
+        found = provider._describe({RUN_TAG: config.cluster_name, **(tags or {})},
+                                   ["pending", "running", "stopping", "stopped"])
         ids = []
         for region in provider.clients:
             here = [d["InstanceId"] for d in found if d[REGION_KEY] == region]

@@ -1,8 +1,11 @@
-"""The boot script of an instance: the one place that says how a machine joins a run.
+"""The boot scripts of a run's machines: the one place that says how a machine joins a run.
 
-Every provider runs it (EC2 user data, a GCE startup script, the local simulator's ``nodes``
+Every provider runs a worker's (EC2 user data, a GCE startup script, the local simulator's ``nodes``
 mode): it starts a Ray node that joins the head and advertises a resource named after the
 instance, so the supervisor's worker actor for that instance lands on that machine and no other.
+The head that ``spotswarm up`` launches runs the head's: ``spotswarm head-boot``, which takes the
+run from its archive.  Both first run the config's Ray boot commands, each line on the console
+(where ``up`` reads a failed boot from), a failure named by a ``BOOT_FAILED`` line.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from orchestrator.providers.base import instance_resource
 
 # Ray takes these as flags of their own, not in --resources.
 _BUILTIN = {"CPU": "--num-cpus", "GPU": "--num-gpus", "memory": "--memory"}
+
+BOOT_MARK = "spotswarm-boot:"  # a boot script's own lines on the machine's console
+BOOT_FAILED = f"{BOOT_MARK} FAILED"
+HEAD_INSTANCE_ENV = "SPOTSWARM_HEAD_INSTANCE"  # on a head that ``up`` launched: its instance id (the run's name)
 
 # The first global IPv4 address of the machine (or network namespace) the script runs in.
 NODE_IP_SHELL = "$(ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1 | head -n1)"
@@ -52,6 +59,49 @@ def ray_start_args(config: ClusterConfig, node_type: str, head_address: str, ins
     return args
 
 
+def boot_commands(config: ClusterConfig, role: str) -> list[tuple[str, str]]:
+    """Ray's boot commands for a ``head`` or ``worker`` machine in Ray's order, each named by its key
+    and position (``setup_commands[1]``)."""
+    keys = ["initialization_commands", "setup_commands", f"{role}_setup_commands"]
+    return [(f"{key}[{i}]", command) for key in keys for i, command in enumerate(getattr(config, key))]
+
+
+def _step_lines(config: ClusterConfig, role: str) -> list[str]:
+    """Shell lines running the boot commands in order, each logged and its output on the console; the
+    first failure ends the boot with a ``BOOT_FAILED`` line naming it."""
+    steps = boot_commands(config, role)
+    if not steps:
+        return []
+    lines = [
+        "spotswarm_step() {  # one boot command in a shell of its own, as Ray runs each",
+        f'  echo "{BOOT_MARK} $1: $2"',
+        '  bash -c "$2"; local rc=$?',
+        f'  if [ "$rc" -ne 0 ]; then echo "{BOOT_FAILED}: $1 exited with status $rc: $2"; exit "$rc"; fi',
+        "}",
+    ]
+    return lines + [f"spotswarm_step {shlex.quote(name)} {shlex.quote(command)}" for name, command in steps]
+
+
+def render_head_script(config: ClusterConfig, archive_uri: str, endpoint_url: str | None = None) -> str:
+    """The boot script of the head that ``spotswarm up`` launches: the boot commands, then
+    ``spotswarm head-boot``, which takes the run's config and authority key from the archive (never
+    from this script: user data is readable by anyone who may describe the instance), starts the
+    Ray head with token authentication and the supervisor, and stays up while the run does."""
+    command = ["spotswarm", "head-boot", archive_uri]
+    if endpoint_url:
+        command += ["--endpoint-url", endpoint_url]
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# spotswarm: the head of run {config.cluster_name}",
+        "set -uo pipefail",
+        f'echo "{BOOT_MARK} the head of run {config.cluster_name} boots"',
+        *_step_lines(config, "head"),
+        f"exec {' '.join(shlex.quote(c) for c in command)}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def render_boot_script(config: ClusterConfig, node_type: str, head_address: str, instance_id: str, *,
                        auth_token: str | None = "$RAY_AUTH_TOKEN", ray_command: str = "ray",
                        node_ip: str | None = None) -> str:
@@ -76,6 +126,9 @@ def render_boot_script(config: ClusterConfig, node_type: str, head_address: str,
         f"# spotswarm: instance {instance_id} ({node_type}) of run {config.cluster_name}",
         "set -euo pipefail",
     ]
+    steps = _step_lines(config, "worker")
+    if steps:  # a failing command must reach its own report, not end the script at once
+        lines += ["set +e", *steps, "set -e"]
     if auth_token == "$RAY_AUTH_TOKEN":
         lines += ["export RAY_AUTH_MODE=token", 'export RAY_AUTH_TOKEN="${RAY_AUTH_TOKEN:?the Ray head token}"']
     elif auth_token is not None:

@@ -30,6 +30,8 @@ class Machine:
     spot: bool
     created: float  # wall-clock seconds
     region: str = ""  # where the cloud answered for it ("": the machine's node type's region)
+    address: str = ""  # its private IP address, where the cloud gave one
+    state: str = ""  # the cloud's word for it: running, pending, TERMINATED, ...
 
 
 class CloudProvider(NodeProvider):
@@ -53,6 +55,23 @@ class CloudProvider(NodeProvider):
 
     def _release(self, described: Any) -> None:
         raise NotImplementedError
+
+    # ---- the head that ``spotswarm up`` launches ---------------------------------------------------
+    def heads(self) -> list[Machine]:
+        """The run's head machines the cloud lists as pending or running (``up`` launches one)."""
+        raise NotImplementedError
+
+    def release_head(self, machine: Machine) -> None:
+        raise NotImplementedError
+
+    def console_output(self, machine: Machine) -> str:
+        """What the machine wrote to its console (its boot script's output): EC2's console output, GCE's
+        serial port 1; "" when the cloud has none yet."""
+        raise NotImplementedError
+
+    def _is_head(self, machine: Machine) -> bool:
+        head = self.config.head_node_type
+        return head is not None and machine.tags.get(NODE_TYPE_TAG) == head
 
     # ---- the instances held -----------------------------------------------------------------------
     def _launched(self, spec: LaunchSpec, handle: str) -> Instance:
@@ -79,8 +98,8 @@ class CloudProvider(NodeProvider):
         """The instance a described machine is, or None when it is not one of the run's types."""
         machine = self._machine(described)
         instance_id, node_type = machine.tags.get(INSTANCE_TAG), machine.tags.get(NODE_TYPE_TAG)
-        if instance_id is None or node_type not in self.config.available_node_types:
-            return None
+        if instance_id is None or node_type not in self.config.fleet_types():
+            return None  # not the run's, or its head: never adopted into the fleet
         market, age = "spot" if machine.spot else "on-demand", time.time() - machine.created
         return Instance(instance_id, node_type, machine.zone, market, self.price(node_type, machine.zone, market),
                         self.clock() - max(age, 0.0), tags=machine.tags, handle=machine.handle,
@@ -98,8 +117,8 @@ class CloudProvider(NodeProvider):
 
     def _release_orphan(self, described: Any) -> None:
         machine = self._machine(described)
-        if time.time() - machine.created < self.orphan_grace_s:
-            return  # probably a launch whose answer is on its way
+        if time.time() - machine.created < self.orphan_grace_s or self._is_head(machine):
+            return  # probably a launch whose answer is on its way; or the head that runs this supervisor
         logger.warning("instance %s carries this run's tag but no one launched or adopted it; releasing it",
                        machine.handle)
         self._release(described)

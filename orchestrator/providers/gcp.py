@@ -32,7 +32,7 @@ from typing import Any
 
 from orchestrator.config.gcp import STARTUP_SCRIPT, TAGS_ITEM, canonical
 from orchestrator.config.schema import ClusterConfig
-from orchestrator.config.tags import RUN_TAG
+from orchestrator.config.tags import NODE_TYPE_TAG, RUN_TAG
 from orchestrator.providers.base import (
     CapacityError,
     Instance,
@@ -348,8 +348,29 @@ class GcpProvider(CloudProvider):
         return dict(described.labels)
 
     def _machine(self, described: Any) -> Machine:
+        interfaces = list(described.network_interfaces)
         return Machine(described.name, self._tags(described), _last_part(described.zone), _is_spot(described),
-                       _timestamp(described.creation_timestamp))
+                       _timestamp(described.creation_timestamp),
+                       address=interfaces[0].network_i_p if interfaces else "", state=described.status)
+
+    def heads(self) -> list[Machine]:
+        if self.config.head_node_type is None:
+            return []
+        tags = {RUN_TAG: self.config.cluster_name, NODE_TYPE_TAG: self.config.head_node_type}
+        return [self._machine(d) for d in self._list(tags) if d.status in LIVE_STATES]
+
+    def release_head(self, machine: Machine) -> None:
+        self._delete(machine.zone, machine.handle)
+
+    def console_output(self, machine: Machine) -> str:
+        try:
+            answer = self._call("instances.getSerialPortOutput", self.instances_api.get_serial_port_output,
+                                project=self.project, zone=machine.zone, instance=machine.handle, port=1)
+        except GceApiError as e:
+            if e.status == 404:
+                return ""
+            raise
+        return answer.contents
 
     def _release(self, described: Any) -> None:
         self._delete(_last_part(described.zone), described.name)
@@ -441,14 +462,14 @@ def _timestamp(text: str) -> float:
         return time.time()
 
 
-def terminate_run(config: ClusterConfig, clock: Any = time.time) -> list[str]:
-    """Delete every instance labelled with the run, in every zone of the config (``spotswarm
-    down`` when no head is left)."""
+def terminate_run(config: ClusterConfig, clock: Any = time.time, tags: dict[str, str] | None = None) -> list[str]:
+    """Delete every instance labelled with the run (and with ``tags``, if given), in every zone of the
+    config (``spotswarm down`` when no head is left)."""
     provider = GcpProvider(config, clock)
     try:
         names = []
         for zone in provider.list_zones:
-            for described in provider._list_zone(zone, {RUN_TAG: config.cluster_name}):
+            for described in provider._list_zone(zone, {RUN_TAG: config.cluster_name, **(tags or {})}):
                 provider._delete(zone, described.name)
                 names.append(described.name)
         return names

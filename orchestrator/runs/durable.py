@@ -5,7 +5,9 @@ Layout under ``checkpoint.uri`` (``s3://bucket/prefix``, ``gs://bucket/prefix`` 
 ``history/run.sqlite`` (a consistent snapshot of the run store), ``history/config.yaml``,
 ``checkpoints/<name>`` (the newest ``checkpoint.keep``) and, for a mixture-of-experts run,
 ``experts/<uid>.pt`` (each expert's newest state), ``logs/<name>.log``, ``live/status.json`` (what
-the head publishes every few seconds) and ``control/stop.json`` (a stop asked for from elsewhere).
+the head publishes every few seconds), ``control/stop.json`` (a stop asked for from elsewhere) and,
+for a head that ``spotswarm up`` launched, ``launch/launch.json`` (the config and the command) and
+``launch/authority.key`` (the run's membership key), which its boot takes from here.
 The local run directory stays the working copy; the archive is what survives the machine, and what
 another machine watches and stops the run through.  Every store goes through one interface, fsspec: s3fs for
 S3 (the extra ``spotswarm[aws]``), gcsfs for Cloud Storage (``spotswarm[gcp]``), imported only when
@@ -43,6 +45,8 @@ T = TypeVar("T")
 HISTORY_FILES = ("config.yaml", "run.sqlite")  # run.sqlite last: its presence marks a complete archive
 STATUS_DOC = "live/status.json"  # what the head publishes every few seconds
 STOP_DOC = "control/stop.json"  # a stop asked for from another machine
+LAUNCH_DOC = "launch/launch.json"  # what a launched head runs: the config, up or resume, the duration
+KEY_DOC = "launch/authority.key"  # the run's authority key, for a launched head
 # where a store's own client has retried already, these still get ours: a connection dropped or timed out
 # (s3fs: SlowDown and 503 are EBUSY, 500 EREMOTEIO)
 TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EBUSY,
@@ -236,6 +240,23 @@ class RunArchive:
 
     def stop_request(self) -> dict | None:
         return _json_doc(self.read_bytes(STOP_DOC))
+
+    # ---- a head launched from elsewhere -----------------------------------------------------------
+    def write_launch(self, launch: dict, authority_key: bytes) -> None:
+        """What a head launched by ``spotswarm up`` takes at boot: the key first, so that a launch document
+        is never there without its key."""
+        self.write_bytes(KEY_DOC, authority_key)
+        self.write_bytes(LAUNCH_DOC, json.dumps(launch).encode())
+
+    def launch(self) -> dict:
+        """The launch document; ArchiveMissing where there is none."""
+        doc = _json_doc(self.read_bytes(LAUNCH_DOC))
+        if doc is None:
+            raise ArchiveMissing(f"{self.uri}: no launch there (no {self.path(LAUNCH_DOC)})")
+        return doc
+
+    def authority_key(self) -> bytes | None:
+        return self.read_bytes(KEY_DOC)
 
     def save_logs(self, directory: Path) -> None:
         """Upload the run's log files that changed since their last upload (``logs/<name>``)."""

@@ -1,9 +1,11 @@
 """AWS without an account: moto in server mode (real HTTP; boto3 reaches it through ``endpoint_url``)
 for EC2 and S3, fake credentials, a proxy in front of moto that plays EC2's throttling, capacity and
-credential errors, and a fake IMDSv2 for one instance."""
+credential errors and answers the console output of the machines the harness boots, and a fake IMDSv2 for
+one instance (with its instance profile's credentials, where it has one)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -12,9 +14,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from urllib.parse import parse_qs
 
 from orchestrator.host.ports import free_port
@@ -82,10 +84,10 @@ def reset_moto(endpoint: str) -> None:
 class FakeImds:
     """One instance's IMDSv2: a session token (PUT), then metadata reads that present it."""
 
-    def __init__(self, servers: LoopServers, ec2_id: str, zone: str) -> None:
+    def __init__(self, servers: LoopServers, ec2_id: str, zone: str, role: str | None = None) -> None:
         from aiohttp import web
 
-        self.ec2_id, self.zone = ec2_id, zone
+        self.ec2_id, self.zone, self.role = ec2_id, zone, role  # role: its instance profile's
         self.tokens: set[str] = set()
         self.action: dict | None = None
         self.rebalance: dict | None = None
@@ -114,8 +116,21 @@ class FakeImds:
         answers = {"instance-id": self.ec2_id, "placement/availability-zone": self.zone,
                    "spot/instance-action": self.action and json.dumps(self.action),
                    "events/recommendations/rebalance": self.rebalance and json.dumps(self.rebalance)}
+        if self.role:  # an instance profile's role: its temporary credentials, as botocore fetches them
+            answers["iam/security-credentials/"] = self.role
+            answers[f"iam/security-credentials/{self.role}"] = json.dumps(self._credentials())
         text = answers.get(path)
         return web.Response(status=404) if text is None else web.Response(text=text)
+
+    @staticmethod
+    def _credentials() -> dict:
+        now = datetime.now(tz=timezone.utc)
+        stamp = "%Y-%m-%dT%H:%M:%SZ"
+        return {"Code": "Success", "LastUpdated": now.strftime(stamp), "Type": "AWS-HMAC",
+                "AccessKeyId": FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                "SecretAccessKey": FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                "Token": FAKE_CREDENTIALS["AWS_SESSION_TOKEN"],
+                "Expiration": (now + timedelta(hours=6)).strftime(stamp)}
 
     def announce(self, action: str, in_s: float) -> None:
         when = datetime.fromtimestamp(time.time() + in_s, tz=timezone.utc)
@@ -136,6 +151,7 @@ class AwsProxy:
         self.throttled = 0
         self.no_capacity: set[tuple[str, str]] = set()  # (zone, market) answered InsufficientInstanceCapacity
         self.refused: list[tuple[str, str]] = []
+        self.console: Callable[[str], str] = lambda ec2_id: ""  # an instance's console output (the harness's)
         app = web.Application(client_max_size=1 << 24)
         app.router.add_route("*", "/{path:.*}", self._forward)
         self.url = f"http://127.0.0.1:{servers.serve(app)}"
@@ -151,6 +167,17 @@ class AwsProxy:
                 f"<Message>{message}</Message></Error></Errors><RequestID>proxy</RequestID></Response>")
         return web.Response(status=status, text=body, content_type="text/xml")
 
+    def _console_output(self, ec2_id: str):
+        from aiohttp import web
+
+        output = base64.b64encode(self.console(ec2_id)[-(64 << 10):].encode()).decode()  # EC2: the last 64 KB
+        stamp = datetime.now(tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+        body = (f'<?xml version="1.0" encoding="UTF-8"?><GetConsoleOutputResponse '
+                f'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>proxy</requestId>'
+                f"<instanceId>{ec2_id}</instanceId><timestamp>{stamp}</timestamp><output>{output}</output>"
+                f"</GetConsoleOutputResponse>")
+        return web.Response(text=body, content_type="text/xml")
+
     async def _forward(self, request):
         import aiohttp
         from aiohttp import web
@@ -165,6 +192,8 @@ class AwsProxy:
             self.throttle_next -= 1
             self.throttled += 1
             return self._error("RequestLimitExceeded", "Request limit exceeded.", 503)
+        if action == "GetConsoleOutput":  # moto's is a fixed sample; a machine's own comes from the harness
+            return self._console_output(form.get("InstanceId", ""))
         if action == "RunInstances":
             market = "spot" if form.get("InstanceMarketOptions.MarketType") == "spot" else "on-demand"
             zone = form.get("Placement.AvailabilityZone", "")

@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 from tests.fakes.servers import LoopServers
@@ -60,6 +61,7 @@ class FakeComputeApi:
         self.throttled = 0
         self.refuse_auth: int | None = None
         self._ids = iter(range(1000, 10**9))
+        self.console: Callable[[str, str], str] = lambda zone, name: ""  # a VM's serial port 1 (the harness's)
         base = "/compute/v1/projects/{project}/zones/{zone}"
         @web.middleware
         async def gate(request, handler):
@@ -70,6 +72,8 @@ class FakeComputeApi:
         app.router.add_get(base + "/instances", self._list, name="instances.list")
         app.router.add_get(base + "/instances/{name}", self._get, name="instances.get")
         app.router.add_delete(base + "/instances/{name}", self._delete, name="instances.delete")
+        app.router.add_get(base + "/instances/{name}/serialPort", self._serial_port,
+                           name="instances.getSerialPortOutput")
         app.router.add_get(base + "/operations", self._operations, name="zoneOperations.list")
         app.router.add_get(base + "/operations/{operation}", self._operation, name="zoneOperations.get")
         app.router.add_post(base + "/operations/{operation}/wait", self._operation, name="zoneOperations.wait")
@@ -209,6 +213,18 @@ class FakeComputeApi:
                 return gce_error(404, "notFound", f"The resource 'projects/{self.project}/zones/{zone}/instances/"
                                  f"{name}' was not found")
             return web.json_response(instance)
+
+    async def _serial_port(self, request):
+        from aiohttp import web
+
+        zone, name = request.match_info["zone"], request.match_info["name"]
+        with self.lock:
+            if (zone, name) not in self.instances:
+                return gce_error(404, "notFound", f"The resource 'projects/{self.project}/zones/{zone}/instances/"
+                                 f"{name}' was not found")
+        contents = self.console(zone, name)[-(1 << 20):]  # GCE: the last 1 MB
+        return web.json_response({"kind": "compute#serialPortOutput", "contents": contents, "start": "0",
+                                  "next": str(len(contents.encode())), "selfLink": self._link(zone, "instances", name)})
 
     async def _list(self, request):
         from aiohttp import web

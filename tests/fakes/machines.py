@@ -65,6 +65,13 @@ class MachineHarness:
     def _take_back(self, machine: Machine) -> None:
         raise NotImplementedError
 
+    def console(self, name: str) -> str:
+        """What the machine ``name`` (an EC2 id, a GCE name) wrote to its console: its boot script's output."""
+        try:
+            return (self.state_dir / f"{name}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
     def by_instance(self, instance_id: str) -> Machine:
         with self._lock:
             return next(m for m in self.machines.values() if m.instance_id == instance_id)
@@ -81,7 +88,7 @@ class MachineHarness:
         from orchestrator.sim.nodes import boot_detached
 
         temp_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir="/tmp"))  # short: Ray's socket paths
-        env = dict(os.environ, **env, SPOTSWARM_NODE_TMP=str(temp_dir),
+        env = dict(os.environ, **env, SPOTSWARM_NODE_TMP=str(temp_dir), SPOTSWARM_HOME=str(temp_dir / "home"),
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         for name in FAKE_CREDENTIALS:  # a machine has its own identity, not the operator's keys
             env.pop(name, None)
@@ -165,7 +172,8 @@ class Ec2Harness(MachineHarness):
         user_data = self.ec2.describe_instance_attribute(InstanceId=ec2_id, Attribute="userData")
         script = base64.b64decode(user_data["UserData"].get("Value", "")).decode()
         zone = described["Placement"]["AvailabilityZone"]
-        imds = FakeImds(self.servers, ec2_id, zone)
+        profile = described.get("IamInstanceProfile", {}).get("Arn", "")
+        imds = FakeImds(self.servers, ec2_id, zone, role=profile.rsplit("/", 1)[-1] or None)
         self._boot(ec2_id, zone, tags.get("spotswarm-instance", ec2_id), script, imds,
                    {"AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url})
 
@@ -190,6 +198,7 @@ class GceHarness(MachineHarness):
 
     def __init__(self, api: FakeComputeApi, servers: LoopServers, state_dir: Path) -> None:
         self.api = api
+        api.console = lambda zone, name: self.console(name)
         super().__init__(servers, state_dir)
 
     def _step(self) -> None:

@@ -54,8 +54,9 @@ def aws_proxy(aws: str, loop_servers: LoopServers) -> AwsProxy:
 
 
 @pytest.fixture
-def ec2_harness(aws: str, loop_servers: LoopServers, tmp_path: Path) -> Iterator[Ec2Harness]:
+def ec2_harness(aws: str, aws_proxy: AwsProxy, loop_servers: LoopServers, tmp_path: Path) -> Iterator[Ec2Harness]:
     with closing(Ec2Harness(aws, loop_servers, tmp_path / "machines")) as harness:
+        aws_proxy.console = harness.console  # EC2's GetConsoleOutput through the proxy: the machine's own
         yield harness
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -376,3 +379,40 @@ def fill_store(store: Any, archive: Any, epochs: tuple[int, ...] = (1, 2, 3)) ->
         store.checkpoint(epoch, path)
         archive.save_checkpoint(path)
     return contents
+
+
+# ---- a run launched from a laptop -----------------------------------------------------------------------
+def laptop_yaml(folder: Path, name: str, compute: str, storage: str, **top: Any) -> Path:
+    """A shipped cloud config in ``folder`` (a clean "laptop" directory), its endpoints pointed at the
+    stand-ins (the cloud's API at ``compute``, the archive's store at ``storage``), ``top`` keys set."""
+    data = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
+    data["provider"]["endpoint_url"] = compute
+    data["checkpoint"]["endpoint_url"] = storage
+    data.update(top)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def spotswarm_command(args: list[str], cwd: Path, out: Path) -> subprocess.Popen:
+    """``spotswarm ARGS`` as a process of its own in ``cwd``, its output in ``out``."""
+    with open(out, "w") as stdout:
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.cli.main", *args], cwd=cwd,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=stdout, stderr=subprocess.STDOUT)
+
+
+def while_running(process: subprocess.Popen, out: Path, wait_for: Callable) -> Callable:
+    """``wait_for`` polling once a second (a poll may read the archive), ended at once with the command's
+    output when ``process`` exits first, and with it on a timeout."""
+    def wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+        def check() -> Any:
+            if process.poll() is not None:
+                raise AssertionError(f"it exited ({process.returncode}) before {what}:\n{out.read_text()[-4000:]}")
+            return condition()
+        try:
+            return wait_for(check, timeout, what, every=1.0)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{out.read_text()[-4000:]}") from None
+    return wait
+

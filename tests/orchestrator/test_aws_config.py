@@ -50,6 +50,8 @@ NODE_CONFIG_END = f"      ImageId: {AMI}\n"  # where a test adds node_config key
 UNUSED = "Ray's cluster launcher key, not used by spotswarm: "
 BOOT = UNUSED + "every instance runs spotswarm's boot script instead (see spotswarm bootstrap-script)"
 SSH = UNUSED + "spotswarm does not SSH into instances or sync files to them"
+START = UNUSED + ("spotswarm's boot script starts Ray itself, after initialization_commands, setup_commands and "
+                  "head_setup_commands or worker_setup_commands")
 SIZE = UNUSED + "the fleet follows each node type's min_workers and max_workers and the spot policy"
 
 # Ray's own AWS spot example, as its cluster launcher takes it (plus spotswarm's training section)
@@ -121,11 +123,11 @@ def test_a_ray_launcher_yaml_loads_with_one_warning_per_unused_key(tmp_path):
         f"{path}:{at['auth']}: auth: {SSH}",
         f"{path}:{at['worker_setup_commands']}: available_node_types.ray.worker.default.worker_setup_commands: {BOOT}",
         f"{path}:{at['file_mounts']}: file_mounts: {SSH}",
-        f"{path}:{at['initialization_commands']}: initialization_commands: {BOOT}",
-        f"{path}:{at['setup_commands']}: setup_commands: {BOOT}",
-        f"{path}:{at['head_start_ray_commands']}: head_start_ray_commands: {BOOT}",
-        f"{path}:{at['worker_start_ray_commands']}: worker_start_ray_commands: {BOOT}",
+        f"{path}:{at['head_start_ray_commands']}: head_start_ray_commands: {START}",
+        f"{path}:{at['worker_start_ray_commands']}: worker_start_ray_commands: {START}",
     ]
+    # Ray's boot commands are the boot scripts' (the head's, the fleet's), in Ray's order
+    assert (config.initialization_commands, config.setup_commands) == ([], ["pip install spotswarm"])
     # Ray's head type has only node_config and resources: our defaults apply, and it is not launched
     head = config.available_node_types["ray.head.default"]
     assert (head.min_workers, head.max_workers, head.node_config) == (0, 1, {"InstanceType": "m5.large"})
@@ -153,12 +155,12 @@ def test_rays_gcp_project_id_is_the_gcp_providers_and_ignored_here(tmp_path):
 
 
 def test_a_key_neither_ray_nor_spotswarm_knows_is_still_an_error(tmp_path):
-    path = write(tmp_path, AWS + "setup_commands: []\ntrainig: {task: synthetic}\n")
+    path = write(tmp_path, AWS + "file_mounts: {}\ntrainig: {task: synthetic}\n")
     warnings: list[str] = []
     with pytest.raises(ConfigError) as info:
         load_cluster_config(path, warnings)
     assert str(info.value) == f"{path}:13: trainig: unknown key; did you mean 'training'?"
-    assert warnings == [f"{path}:12: setup_commands: {BOOT}"]  # given even when the file has errors
+    assert warnings == [f"{path}:12: file_mounts: {SSH}"]  # given even when the file has errors
 
 
 def test_ray_launcher_keys_cover_rays_schema_and_none_is_ours():
@@ -425,11 +427,11 @@ def test_validate_the_shipped_aws_config(capsys):
 def test_validate_prints_warnings_and_exits_0(tmp_path, capsys):
     from orchestrator.cli.main import main
 
-    path = write(tmp_path, AWS + "auth: {ssh_user: ubuntu}\nsetup_commands: []\n")
+    path = write(tmp_path, AWS + "auth: {ssh_user: ubuntu}\nfile_mounts: {}\n")
     assert main(["validate", str(path)]) == 0
     out, err = capsys.readouterr()
     assert out == f"{path}: valid (provider aws, mode actors, 1 node type, 1..2 instances)\n"
-    assert err.splitlines() == [f"warning: {path}:12: auth: {SSH}", f"warning: {path}:13: setup_commands: {BOOT}"]
+    assert err.splitlines() == [f"warning: {path}:12: auth: {SSH}", f"warning: {path}:13: file_mounts: {SSH}"]
 
 
 # ---- fuzzing: whatever node_config holds, a config or a ConfigError --------------------------

@@ -112,10 +112,10 @@ def test_a_ray_gcp_launcher_yaml_loads_with_one_warning_per_unused_key(tmp_path)
     config, warnings = load(path)
     at = {key: line_of(RAY_GCP_YAML, key + ":") for key in ("max_workers", "upscaling_speed", "idle_timeout_minutes",
                                                             "cache_stopped_nodes", "auth", "file_mounts",
-                                                            "setup_commands", "head_start_ray_commands")}
+                                                            "head_start_ray_commands")}
     assert [w.split(": ", 2)[1] for w in warnings] == [
         "max_workers", "upscaling_speed", "idle_timeout_minutes", "provider.cache_stopped_nodes", "auth", "file_mounts",
-        "setup_commands", "head_start_ray_commands"]
+        "head_start_ray_commands"]
     assert all(w.startswith(f"{path}:{at[w.split(': ')[1].rsplit('.', 1)[-1]]}: ") and UNUSED in w for w in warnings)
     assert config.provider.project == "my-project"  # Ray's project_id is ours
     assert config.provider.zones == ["us-west1-a"]

@@ -57,8 +57,9 @@ def payload(mode: str) -> bytes:
 
 class Attack:
     def __init__(self, host: str, port: int, count: int, concurrency: int, mode: str, hold_s: float,
-                 announce: bool) -> None:
+                 announce: bool, release_grace_s: float = 0.0) -> None:
         self.host, self.port, self.count, self.mode, self.hold_s = host, port, count, mode, hold_s
+        self.release_grace_s = release_grace_s
         self.announce = announce
         self.slots = asyncio.Semaphore(concurrency)
         self.tally = Tally()
@@ -127,6 +128,10 @@ class Attack:
         try:
             done, _ = await asyncio.wait({closed, released}, timeout=self.hold_s,
                                          return_when=asyncio.FIRST_COMPLETED)
+            if released in done and closed not in done and self.release_grace_s > 0:
+                # released: the peer still gets a bounded moment to close what it meant to close (on a
+                # loaded machine it reads the last payloads late), so the tally does not race its reading
+                done, _ = await asyncio.wait({closed}, timeout=self.release_grace_s)
         finally:
             for task in (closed, released):
                 task.cancel()
@@ -143,13 +148,16 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1000, help="connections to open in all")
     parser.add_argument("--concurrency", type=int, default=1000, help="connections open at once (<= ~2000)")
     parser.add_argument("--mode", choices=(*MODES, "mixed"), default="mixed")
+    parser.add_argument("--release-grace-s", type=float, default=0.0,
+                        help="after stdin ends the hold, how long a connection still waits for the peer's close")
     parser.add_argument("--hold-s", type=float, default=1.0, help="seconds each connection is held open")
     parser.add_argument("--announce", action="store_true",
                         help='print {"event": "holding"} once all are open; stdin input ends the hold')
     args = parser.parse_args()
     host, _, port = args.address.rpartition("@")[2].rpartition(":")  # a full PeerAddress works too
     started = time.monotonic()
-    attack = Attack(host, int(port), args.count, args.concurrency, args.mode, args.hold_s, args.announce)
+    attack = Attack(host, int(port), args.count, args.concurrency, args.mode, args.hold_s, args.announce,
+                    args.release_grace_s)
     tally = asyncio.run(attack.run())
     print(json.dumps({**asdict(tally), "seconds": round(time.monotonic() - started, 3)}), flush=True)
     return 0

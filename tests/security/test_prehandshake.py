@@ -267,7 +267,8 @@ async def test_thousands_of_hostile_connections_from_another_process_cost_bounde
         rss = psutil.Process(node.pid).memory_info().rss
         hostile = subprocess.Popen(
             [sys.executable, str(HERE / "hostile_client.py"), "--address", address.split("@")[1], "--count",
-             str(count), "--concurrency", str(count), "--mode", "mixed", "--hold-s", "20", "--announce"],
+             str(count), "--concurrency", str(count), "--mode", "mixed", "--hold-s", "20", "--announce",
+             "--release-grace-s", "5"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_raise_fd_limit)
         holding = json.loads(await asyncio.wait_for(loop.run_in_executor(None, hostile.stdout.readline), 40))
         growth = psutil.Process(node.pid).memory_info().rss - rss
@@ -277,8 +278,8 @@ async def test_thousands_of_hostile_connections_from_another_process_cost_bounde
         hostile.stdin.flush()
         summary = json.loads(await asyncio.wait_for(loop.run_in_executor(None, hostile.stdout.readline), 20))
         assert summary["errors"] == 0
-        # garbage and big headers (half of "mixed") are closed by the node; the client tells a close from
-        # its own hold ending only for those whose close reached it first, so a few may count as held
+        # garbage and big headers (half of "mixed") are closed by the node; released, each connection still
+        # waits up to 5 s for that close (a loaded node reads the last payloads late), so a few may count as held
         assert summary["refused_or_closed_by_server"] >= 0.45 * count
         assert await client.call(address, "echo", "after", timeout=20) == "after"
     finally:

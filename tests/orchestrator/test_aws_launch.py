@@ -1,0 +1,89 @@
+"""``spotswarm up`` from a laptop on AWS, against moto (EC2 and S3) and the harness that boots instances from
+their user data: the shipped ``aws-spot.yaml``, only its endpoints pointed at the stand-ins, in a clean
+"laptop" directory.  ``up`` launches the head (an instance too, with its instance profile's credentials
+from its IMDS), the head launches the workers, the run trains; ``status`` from another directory shows
+its epochs; a rebalance recommendation brings a replacement before any notice; ``down`` from there stops
+everything, and moto has no instance left running."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
+
+from orchestrator.cli.main import main  # noqa: E402
+from orchestrator.runs.durable import RunArchive  # noqa: E402
+from tests.orchestrator.run_checks import laptop_yaml, query, spotswarm_command, while_running  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
+
+
+
+def running(ec2) -> list[dict]:  # noqa: ANN001
+    pages = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    return [i for r in pages["Reservations"] for i in r["Instances"]]
+
+
+def test_up_from_a_laptop_launches_the_head_and_down_from_elsewhere_leaves_nothing(
+        tmp_path, aws, aws_proxy, ec2_harness, wait_for, capsys, artifacts_dir):
+    import boto3
+
+    boto3.client("s3", endpoint_url=aws).create_bucket(Bucket="spotswarm-runs")
+    boto3.client("iam", endpoint_url=aws).create_instance_profile(InstanceProfileName="spotswarm-head")
+    ec2 = boto3.client("ec2", endpoint_url=aws)
+    laptop = laptop_yaml(tmp_path / "laptop", "aws-spot.yaml", aws_proxy.url, aws)
+    elsewhere = laptop_yaml(tmp_path / "elsewhere", "aws-spot.yaml", aws_proxy.url, aws)
+    archive = RunArchive("s3://spotswarm-runs/aws-demo", endpoint_url=aws)
+    out = tmp_path / "up.out"
+    began = time.time()
+    up = spotswarm_command(["up", laptop.name], laptop.parent, out)
+    wait = while_running(up, out, wait_for)
+    try:
+        wait(lambda: (archive.status() or {}).get("epoch", 0) >= 1, 240, "the launched head's first epoch")
+        first_epoch_s = time.time() - began
+        said = out.read_text()
+        head = next(m for m in ec2_harness.machines.values() if m.instance_id.startswith("head-"))
+        assert f"launched: {head.key} (" in said and "spotswarm down aws-spot.yaml" in said
+        assert head.metadata.role == "spotswarm-head"  # its credentials: its instance profile's, from its IMDS
+        assert "ray, version" in ec2_harness.console(head.key)  # the config's setup_commands ran on it
+
+        assert main(["status", str(elsewhere)]) == 0
+        seen = capsys.readouterr().out
+        assert "from s3://spotswarm-runs/aws-demo: the head" in seen and "running, epoch" in seen
+
+        workers = [m for m in ec2_harness.machines.values() if m is not head]
+        at_risk = workers[0]
+        at_risk.metadata.rebalance = {"noticeTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        rebalanced_at = time.time()
+        wait(lambda: at_risk.killed_at is not None and len(ec2_harness.alive()) == len(workers) + 1, 180,
+             "a replacement for the machine at risk, which is then released")
+        replacement = max(ec2_harness.machines.values(), key=lambda m: m.booted_at)
+        assert replacement.booted_at >= rebalanced_at and replacement.zone != at_risk.zone
+        assert at_risk.noticed_at is None  # no notice ever came: the replacement was there before it
+
+        assert main(["down", str(elsewhere)]) == 0
+        said_down = capsys.readouterr().out
+        assert "stopped by its head" in said_down
+        assert up.wait(timeout=60) == 0, out.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(30)
+    assert running(ec2) == []
+    assert "the run stopped" in out.read_text()
+
+    view = tmp_path / "view"
+    archive.snapshot(view)
+    assert query(view, "SELECT end_reason FROM instances WHERE id = ?", at_risk.instance_id) == \
+        [("rebalanced",)]
+    assert not (tmp_path / "laptop" / "runs").exists()  # the laptop holds nothing of the run
+    first_step = query(view, "SELECT MIN(time) FROM progress WHERE epoch >= 1")[0][0]
+    figures = {"up_to_first_averaged_step_s": round(first_step - began, 1),
+               "up_to_first_epoch_published_s": round(first_epoch_s, 1)}
+    (artifacts_dir / "aws_launch.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
