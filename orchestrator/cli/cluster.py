@@ -319,10 +319,13 @@ def down(target: str, console: Console, address: str | None = None) -> int:
     if not path.is_file():
         return _down_run(target, console, address)
     config = load_cluster_config(target)
+    from orchestrator.cli.launch import launches_head
+
     code = 0
     if (config.run_dir() / "run.sqlite").exists():
         code = _down_run(str(config.run_dir()), console, address)
-    elif config.checkpoint.uri:  # the head is elsewhere: asked through the archive, with no port of its own
+    elif config.checkpoint.uri or launches_head(config, None):  # the head is elsewhere: asked through the
+        # archive (a launched head's default one where checkpoint.uri is left out), with no port of its own
         if not remote.down_through_archive(config, console) and config.provider.type not in ("aws", "gcp"):
             code = 1
     if config.provider.type in ("aws", "gcp"):

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from orchestrator.cli.refusals import NotStarted, ResumeError
@@ -46,10 +47,44 @@ def launches_head(config: ClusterConfig, address: str | None) -> bool:
             and address is None and config.ray.address is None)
 
 
+def default_archive_uri(config: ClusterConfig) -> str:
+    """Where a launched run keeps its archive when ``checkpoint.uri`` is left out (a Ray YAML has none): a
+    bucket of the account's (S3: ``spotswarm-<account>-<region>``; Cloud Storage: ``spotswarm-<project>``),
+    the run under its name."""
+    if config.provider.type == "gcp":
+        return f"gs://spotswarm-{config.provider.project}/{config.cluster_name}"
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        sts = boto3.client("sts", region_name=config.provider.region, endpoint_url=config.provider.endpoint_url)
+        account = sts.get_caller_identity()["Account"]
+    except (BotoCoreError, ClientError) as e:
+        raise NotStarted(f"checkpoint.uri is left out, and the account for its default bucket could not be "
+                         f"found ({e}): set checkpoint.uri") from None
+    return f"s3://spotswarm-{account}-{config.provider.region}/{config.cluster_name}"
+
+
+def with_archive(config: ClusterConfig) -> ClusterConfig:
+    """The config with its archive: ``checkpoint.uri`` as given, else the default (``default_archive_uri``)."""
+    if config.checkpoint.uri:
+        return config
+    checkpoint = config.checkpoint.model_copy(update={"uri": default_archive_uri(config)})
+    return config.model_copy(update={"checkpoint": checkpoint})
+
+
+def launch_yaml(config_path: str, config: ClusterConfig) -> str:
+    """The YAML the head runs: the user's file, with the default archive written in where it had none."""
+    text = Path(config_path).read_text()
+    data = yaml.safe_load(text)
+    if isinstance(data, dict) and not (data.get("checkpoint") or {}).get("uri"):
+        data["checkpoint"] = {**(data.get("checkpoint") or {}), "uri": config.checkpoint.uri}
+        return yaml.safe_dump(data, sort_keys=False)
+    return text
+
+
 def check_launchable(config: ClusterConfig) -> None:
-    if not config.checkpoint.uri:
-        raise NotStarted("a head launched by `up` takes the run from its archive and publishes there: set "
-                         "checkpoint.uri (s3:// or gs://), or start a head yourself and run `up --address auto` on it")
+    assert config.checkpoint.uri is not None
     if config.checkpoint.uri.startswith("/"):
         raise NotStarted(f"checkpoint.uri {config.checkpoint.uri} is a path on this machine, which the launched "
                          "head cannot read: use s3:// or gs://")
@@ -146,9 +181,15 @@ def launch(config_path: str, duration: float | None, console: Console, command: 
         provider = make_provider(config, time.time, Path(tmp))  # refused credentials: ProviderAuthError here
     assert isinstance(provider, CloudProvider)
     try:
+        given = config.checkpoint.uri is not None
+        config = with_archive(config)
         check_launchable(config)
         archive = RunArchive.for_config(config)
         assert archive is not None
+        if not given:
+            created = archive.ensure_bucket(config.provider.region) if command == "up" else False
+            console.print(f"the run's archive: {archive.uri} (checkpoint.uri left out: the default"
+                          f"{', its bucket created' if created else ''})", soft_wrap=True)
         try:
             archive.check_writable()
         except ArchiveError as e:
@@ -161,7 +202,7 @@ def launch(config_path: str, duration: float | None, console: Console, command: 
             key = archive.authority_key()  # a resumed run keeps its authority: volunteers' tokens stay valid
         head_id = f"head-{secrets.token_hex(3)}"
         launched_at = time.time()
-        archive.write_launch({"command": command, "config_yaml": Path(config_path).read_text(), "duration": duration,
+        archive.write_launch({"command": command, "config_yaml": launch_yaml(config_path, config), "duration": duration,
                               "head": head_id, "at": launched_at, "by": socket.gethostname()},
                              key or new_authority_key())
         machine = launch_head(config, provider, head_id)

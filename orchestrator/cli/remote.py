@@ -39,6 +39,14 @@ def local_run(target: str) -> tuple[Path | None, ClusterConfig | None]:
 
 
 def archive_of(config: ClusterConfig, target: str) -> RunArchive:
+    from orchestrator.cli.launch import launches_head, with_archive
+    from orchestrator.cli.refusals import NotStarted
+
+    if launches_head(config, None):  # a launched head's archive: checkpoint.uri, else the default bucket
+        try:
+            config = with_archive(config)
+        except NotStarted as e:
+            raise RunNotFound(str(e)) from None
     archive = RunArchive.for_config(config)
     if archive is None:
         raise RunNotFound(f"{target}: no run at {config.run_dir()}, and no checkpoint.uri to read one from")
@@ -79,10 +87,10 @@ def down_through_archive(config: ClusterConfig, console: Console, answer_s: floa
     """Ask the run's head to stop cleanly through the archive, and wait for it.  True: it stopped, or no
     head ever published there; False: the archive cannot be read, or the head did not answer within
     ``answer_s`` (the caller then terminates what is tagged with the run)."""
-    archive = archive_of(config, str(config.run_dir()))
     try:
+        archive = archive_of(config, str(config.run_dir()))
         last = archive.status()
-    except ArchiveError as e:  # no bucket, no access: no head can be asked this way
+    except (ArchiveError, RunNotFound) as e:  # no bucket, no access: no head can be asked this way
         console.print(f"{config.cluster_name}: cannot ask a head through the archive: {e}", soft_wrap=True)
         return False
     if last is None:

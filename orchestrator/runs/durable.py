@@ -181,6 +181,14 @@ class RunArchive:
                                 f"{error}")
         return ArchiveError(f"{self.uri}: {what} failed: {type(error).__name__}: {error}")
 
+    def ensure_bucket(self, region: str | None = None) -> bool:
+        """Create the bucket where there is none (in ``region``, for S3); whether it was created."""
+        if self.scheme == "file" or self._bucket_exists():
+            return False
+        options = {"region_name": region} if self.scheme == "s3" and region else {}
+        self._call(f"creating the bucket {self.bucket}", self.fs.mkdir, self.bucket, create_parents=True, **options)
+        return True
+
     def _bucket_exists(self) -> bool:
         try:
             return bool(self.fs.exists(self.bucket))
