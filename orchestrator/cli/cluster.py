@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.table import Table
 
 from orchestrator.cli import remote
-from orchestrator.cli.refusals import NotStarted, ResumeError
+from orchestrator.cli.refusals import NotStarted, ResumeError, refuse_archived_run
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.fleet.ray_session import run_log, start_ray
@@ -154,10 +154,11 @@ def print_summary(run_dir: Path, console: Console) -> None:
     console.print(_figures_table(f"run {h.cluster}: summary", h))
 
 
-def preflight(config: ClusterConfig) -> None:
+def preflight(config: ClusterConfig, config_path: str = "CONFIG", fresh: bool = False,
+              console: Console | None = None) -> None:
     """Before anything starts: a run already up is refused, the cloud is asked one cheap question (so that
     refused credentials are one clear ProviderAuthError here instead of a supervisor that cannot launch
-    anything), and the archive must take a write."""
+    anything), and the archive must take a write and hold no other run (``refuse_archived_run``)."""
     refuse_if_up(config.run_dir(), config.cluster_name)
     if config.provider.type != "local":
         from orchestrator.fleet.registry import make_provider
@@ -172,6 +173,7 @@ def preflight(config: ClusterConfig) -> None:
             archive.check_writable()
         except ArchiveError as e:
             raise NotStarted(f"checkpoint.uri cannot take the run's archive: {e}") from None
+        refuse_archived_run(archive, config.cluster_name, config_path, fresh, console or Console())
 
 
 def refuse_if_up(run_dir: Path, name: str) -> None:
@@ -193,16 +195,16 @@ def finish(status: dict, run_dir: Path, console: Console) -> int:
 
 
 def up(config_path: str, duration: float | None, console: Console, address: str | None = None,
-       boot_timeout_s: float = 900.0) -> int:
+       boot_timeout_s: float = 900.0, fresh: bool = False) -> int:
     """Start a run: here (a local Ray session, or the cluster at ``address``), or, for a cloud run that names
     ``head_node_type`` and no address, on a head launched for it (``cli/launch.py``)."""
     config = load_cluster_config(config_path)  # ConfigError before anything starts
     from orchestrator.cli.launch import launch, launches_head
 
     if launches_head(config, address):
-        return _following(lambda stop: launch(config_path, duration, console, "up", boot_timeout_s, stop))
+        return _following(lambda stop: launch(config_path, duration, console, "up", boot_timeout_s, stop, fresh))
     config = config.with_ray_address(address)
-    preflight(config)
+    preflight(config, config_path, fresh, console)
     RunStore.create(config).close()
     run_dir = config.run_dir()
     status = run_foreground(config, run_dir, duration, console)

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from orchestrator.cli.refusals import NotStarted, ResumeError
+from orchestrator.cli.refusals import NotStarted, ResumeError, refuse_archived_run
 from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.config.tags import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG
@@ -35,7 +35,7 @@ from orchestrator.runs.durable import ArchiveError, RunArchive
 BOOT_TIMEOUT_S = 900.0  # a head with no word in its archive this long after launch is taken for failed
 FRESH_S = 60.0  # a status document younger than this means a head is running the run
 POLL_S = 2.0
-CONSOLE_POLL_S = 5.0
+CONSOLE_POLL_S = 10.0  # the head's console is read this often while it boots, every POLL_S in its first half minute
 PROGRESS_EVERY_S = 60.0  # a line of progress at least this often while nothing else changes
 CONSOLE_TAIL_LINES = 40
 
@@ -171,7 +171,7 @@ def launch_head(config: ClusterConfig, provider: CloudProvider, head_id: str) ->
 
 
 def launch(config_path: str, duration: float | None, console: Console, command: str = "up",
-           boot_timeout_s: float = BOOT_TIMEOUT_S, stop: threading.Event | None = None) -> int:
+           boot_timeout_s: float = BOOT_TIMEOUT_S, stop: threading.Event | None = None, fresh: bool = False) -> int:
     """Launch the run's head and follow the run until it stops (0; 2 when the head never booted, everything
     launched then terminated).  ``stop`` (Ctrl-C) ends the following only: the run goes on."""
     from orchestrator.fleet.registry import make_provider
@@ -195,6 +195,8 @@ def launch(config_path: str, duration: float | None, console: Console, command: 
         except ArchiveError as e:
             raise NotStarted(f"checkpoint.uri cannot take the run's archive: {e}") from None
         refuse_if_head_up(config, config_path, provider, archive, command, console)
+        if command == "up":
+            refuse_archived_run(archive, config.cluster_name, config_path, fresh, console)
         key = None
         if command == "resume":
             if not archive.has_history():
@@ -233,12 +235,15 @@ def follow(config: ClusterConfig, config_path: str, provider: CloudProvider, arc
     shown, shown_at = ("", None), 0.0
     console_read = 0.0
     lost_warned = False
+    unreadable = ""
     while not stop.is_set():
         try:
             doc = archive.status()
+            unreadable = ""
         except ArchiveError as e:
-            console.print(f"cannot read {archive.uri} now: {e}", soft_wrap=True)
-            doc = None
+            if str(e) != unreadable:  # said once, not every poll
+                console.print(f"cannot read {archive.uri} now: {e}", soft_wrap=True)
+            unreadable, doc = str(e), None
         mine = doc is not None and float(doc.get("published_at", 0.0)) >= launched_at
         if mine:
             assert doc is not None
@@ -248,7 +253,8 @@ def follow(config: ClusterConfig, config_path: str, provider: CloudProvider, arc
                               "run there")
             what = (doc.get("state"), doc.get("live"))
             if what != shown or time.monotonic() - shown_at >= PROGRESS_EVERY_S:  # the epoch alone: once a minute
-                console.print(f"{doc.get('state')}: epoch {doc.get('epoch')}, {doc.get('live')} instances live")
+                console.print(f"{doc.get('state')}: epoch {doc.get('epoch')}, {doc.get('live')} instances live, "
+                              f"{doc.get('training', '?')} of them training")
                 shown, shown_at = what, time.monotonic()
             if doc.get("state") == "stopped":
                 console.print("the run stopped; its head releases itself")
@@ -258,7 +264,7 @@ def follow(config: ClusterConfig, config_path: str, provider: CloudProvider, arc
                 lost_warned = True
                 console.print(f"the head has not published for {age:.0f} s; if it is lost, `spotswarm resume "
                               f"{config_path}` launches a new one from the archive", soft_wrap=True)
-        elif booted_at is None and time.monotonic() - console_read >= CONSOLE_POLL_S:
+        elif booted_at is None and time.monotonic() - console_read >= _console_every(time.time() - launched_at):
             console_read = time.monotonic()
             failure = _boot_failure(provider, machine, launched_at, boot_timeout_s)
             if failure is not None:
@@ -266,6 +272,11 @@ def follow(config: ClusterConfig, config_path: str, provider: CloudProvider, arc
         stop.wait(POLL_S)
     console.print(f"stopped following; the run goes on (`spotswarm down {config_path}` stops it)", soft_wrap=True)
     return 0
+
+
+def _console_every(since_launch_s: float) -> float:
+    """A boot command fails in its first seconds as often as not: the console is read often then."""
+    return POLL_S if since_launch_s < 30.0 else CONSOLE_POLL_S
 
 
 def _boot_failure(provider: CloudProvider, machine: Machine, launched_at: float,

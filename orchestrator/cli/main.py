@@ -53,8 +53,9 @@ def _foreground(command: str, target: str, args: argparse.Namespace) -> int:
     from orchestrator.runs.durable import ArchiveError
 
     try:
+        extra = {"fresh": args.fresh} if command == "up" else {}
         return getattr(cluster, command)(target, args.duration, _console(), address=args.address,
-                                         boot_timeout_s=args.boot_timeout)
+                                         boot_timeout_s=args.boot_timeout, **extra)
     except ConfigError as e:
         print(f"spotswarm {command}: invalid config, nothing started:\n{e}", file=sys.stderr)
         return 2
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--boot-timeout", type=float, default=900.0, metavar="S",
                      help="a launched head with no word in the archive this long after its launch has failed: "
                           "its console is shown and everything launched terminated (default 900)")
+    upp.add_argument("--fresh", action="store_true",
+                     help="the run's archive (checkpoint.uri) holds an earlier run of this name: delete it and "
+                          "start over (without it, up refuses; resume continues that run)")
     upp.set_defaults(func=_up)
     res = sub.add_parser("resume", help="continue a run after its fleet, supervisor or Ray died")
     res.add_argument("target", metavar="TARGET",

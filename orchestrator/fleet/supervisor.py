@@ -362,6 +362,8 @@ class SupervisorCore:
         policy = self.policy
         return json.dumps({"cluster": self.config.cluster_name, "state": state, "published_at": time.time(),
                            "epoch": self.epoch, "live": len(policy.live), "status": policy.status_text,
+                           # of those, the ones that made their first averaged step (the others still join)
+                           "training": sum(1 for i in list(policy.live) if self._first_seen.get(i) == -1),
                            "head": socket.gethostname(), "address": self.address,
                            # the head machine `spotswarm up` launched, if it did: a laptop tells a lost head by it
                            "head_instance": os.environ.get(HEAD_INSTANCE_ENV)}).encode()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.host.ports import free_port
-from orchestrator.host.processes import kill_session, kill_tree
+from orchestrator.host.processes import kill_session, kill_tree, tree
 from orchestrator.host.wait import wait_for
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,8 @@ class RayHead:
         seconds first, or (0) SIGKILL at once, as a head machine's power cut."""
         if self.new_session:
             kill_session(self.pid, grace_s)
-        else:
-            kill_tree(self.pid, grace_s=grace_s)
+        else:  # its tree as it is now: a process whose parent dies first leaves the tree, not the remembered list
+            kill_tree(self.pid, tree(self.pid), grace_s=grace_s)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:

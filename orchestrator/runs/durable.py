@@ -181,6 +181,12 @@ class RunArchive:
                                 f"{error}")
         return ArchiveError(f"{self.uri}: {what} failed: {type(error).__name__}: {error}")
 
+    def clear(self) -> None:
+        """Delete the archived run under the prefix: its history, checkpoints, experts, logs and documents."""
+        for folder in ("history", "checkpoints", "experts", "logs", "live", "control", "launch"):
+            if self._call(f"looking for {folder}/", self.fs.exists, self.path(folder)):
+                self._call(f"deleting {folder}/", self.fs.rm, self.path(folder), recursive=True)
+
     def ensure_bucket(self, region: str | None = None) -> bool:
         """Create the bucket where there is none (in ``region``, for S3); whether it was created."""
         if self.scheme == "file" or self._bucket_exists():

@@ -98,8 +98,9 @@ class MachineHarness:
 
     def _power_off(self, machine: Machine, sig: int) -> None:
         machine.killed_at = machine.killed_at or time.time()
-        if sig == signal.SIGTERM:  # a shutdown: its grace, bounded, then the power
-            kill_session(machine.leader, grace_s=20)
+        if sig == signal.SIGTERM:  # a shutdown: its grace, bounded, then the power; the cloud goes on meanwhile
+            threading.Thread(target=kill_session, args=(machine.leader, 20), name=f"shutdown-{machine.key}",
+                             daemon=True).start()
         else:
             signal_session(machine.leader, sig)
 

@@ -73,3 +73,28 @@ def _no_ray_started():
 
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
+
+
+def test_up_over_an_archive_holding_a_run_is_refused_naming_resume_and_fresh(tmp_path, capsys):
+    import shutil
+
+    from orchestrator.runs.durable import RunArchive
+
+    archive_dir = tmp_path / "archive" / "r"
+    path = local_yaml(tmp_path, uri=str(archive_dir))
+    config = ClusterConfig.model_validate(yaml.safe_load(path.read_text()))
+    archive = RunArchive(str(archive_dir))
+    store = RunStore.create(config)
+    try:
+        archive.save_history(store)
+        archive.request_stop(by="someone")
+    finally:
+        store.close()
+    shutil.rmtree(tmp_path / "runs")  # the run lives on in its archive only
+    assert main(["up", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{archive_dir} already holds an archived run of r: `spotswarm resume {path}` continues it; " \
+           f"`spotswarm up {path} --fresh` deletes it and starts over; nothing started" in err
+    assert archive.has_history() and not (tmp_path / "runs").exists()
+    archive.clear()  # what --fresh does first
+    assert not archive.has_history() and archive.stop_request() is None and archive.status() is None
