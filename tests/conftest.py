@@ -89,11 +89,22 @@ def pytest_configure(config: pytest.Config) -> None:
         pass  # not a reason to stop every test: the Ray tests' heads try again and fail there, saying why
 
 
+# The longest modules of the heavy phase (a minute or more each), longest first: handed out first, so that
+# its two processes finish together instead of one starting a long module as the other runs out of work.
+LONGEST_FIRST = ("test_resume.py", "test_chaos.py", "test_aws_launch.py", "test_gcp_launch.py",
+                 "test_ray_example_launch.py")
+
+
+def _longest_first(item: pytest.Item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules on the shared Ray head run last in each pytest process, one after another: the
     head starts once per process, and no test of that process that starts a Ray of its own runs
-    while it is up."""
-    items.sort(key=lambda item: "ray_session" in item.fixturenames)  # stable: file order otherwise
+    while it is up.  Before them, the longest modules first (``LONGEST_FIRST``)."""
+    items.sort(key=lambda item: ("ray_session" in item.fixturenames, _longest_first(item)))  # stable otherwise
 
 
 @pytest.fixture(scope="session")

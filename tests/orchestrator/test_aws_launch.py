@@ -84,7 +84,8 @@ def test_up_from_a_laptop_launches_the_head_and_down_from_elsewhere_leaves_nothi
         def replaced_and_training() -> bool:
             doc = archive.status() or {}
             return victim.killed_at is not None and len(ec2_harness.alive()) == len(workers) + 1 and \
-                doc.get("published_at", 0) > victim.killed_at and doc.get("training") == len(workers)
+                doc.get("published_at", 0) > victim.killed_at and doc.get("live") == len(workers) and \
+                doc.get("training") == len(workers)  # the victim gone from the fleet, all that is left stepped
         wait(replaced_and_training, 180, "the reclaimed instance's replacement to make its first averaged step")
         calls = len(aws_proxy.calls) - calls_before
         reclaim_replacement = max(ec2_harness.machines.values(), key=lambda m: m.booted_at)

@@ -57,7 +57,7 @@ def test_a_launched_run_loses_its_head_and_resumes_from_gs_on_a_new_one(tmp_path
         def new_head_trains() -> bool:
             doc = archive.status() or {}
             return doc.get("published_at", 0) > lost_at and doc.get("head_instance") != old_head.instance_id \
-                and doc.get("epoch", 0) > checkpoint_epoch and doc.get("training") == FLEET
+                and doc.get("epoch", 0) > checkpoint_epoch and doc.get("live") == doc.get("training") == FLEET
         wait(new_head_trains, 240, "the new head's fleet to train on from the archived checkpoint")
         (new_head,) = [m for m in gce_harness.machines.values()
                        if m.instance_id.startswith("head-") and m is not old_head]
