@@ -100,6 +100,7 @@ def test_up_from_a_laptop_launches_the_head_and_down_from_elsewhere_leaves_nothi
             up.wait(30)
     assert running(ec2) == []
     assert "the run stopped" in out.read_text()
+    assert ec2_harness.errors == []
 
     view = tmp_path / "view"
     archive.snapshot(view)

@@ -1,7 +1,10 @@
-"""A GCP run launched from a laptop survives losing its head: the shipped ``gcp-spot.yaml`` (its endpoints
-pointed at the loopback Compute fake and gcp-storage-emulator, and checkpoints every 4 s instead of a
-minute), ``up`` launches the head, the head its Spot workers; the head VM is then taken back with its
-power cut, and ``resume`` from the laptop launches a new head, which restores the run from ``gs://``,
+"""A GCP run launched from a laptop survives a preemption and losing its head: the shipped
+``gcp-spot.yaml`` (its endpoints pointed at the loopback Compute fake and gcp-storage-emulator,
+checkpoints every 4 s instead of a minute, and the harness's 15-s preemption window instead of GCE's
+30), ``up`` launches the head through GCE's rate limits, the head its Spot workers (the cheapest zone
+has no Spot capacity: the next ones); a worker is preempted (``instance/preempted`` TRUE on its
+metadata server, the stop after the window) and replaced; then the head VM is taken back with its power
+cut, and ``resume`` from the laptop launches a new head, which restores the run from ``gs://``,
 releases the old fleet (it joined a head that is gone), and trains on from the newest checkpoint.
 ``down`` leaves no VM."""
 
@@ -11,6 +14,7 @@ import json
 import time
 
 import pytest
+import yaml
 
 pytest.importorskip("ray")
 pytest.importorskip("google.cloud.compute_v1")
@@ -19,19 +23,31 @@ pytest.importorskip("gcsfs")
 from orchestrator.cli.main import main  # noqa: E402
 from orchestrator.runs.durable import RunArchive  # noqa: E402
 from orchestrator.runs.durable import checkpoint_epoch as epoch_of  # noqa: E402
-from tests.orchestrator.run_checks import laptop_yaml, query, spotswarm_command, while_running  # noqa: E402
+from tests.orchestrator.run_checks import (  # noqa: E402
+    event_time,
+    laptop_yaml,
+    query,
+    spotswarm_command,
+    while_running,
+)
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
 
 CHECKPOINT_EVERY_S = 4.0  # minutes on a real cloud; seconds here
 FLEET = 2  # the shipped config's worker-spot
+WINDOW_S = 15.0  # GCE stops a preempted VM 30 s after the notice; the harness after fifteen
 
 
-def test_a_launched_run_loses_its_head_and_resumes_from_gs_on_a_new_one(tmp_path, gce_api, gce_harness, gcs,
-                                                                         wait_for, capsys):
-    laptop = laptop_yaml(tmp_path / "laptop", "gcp-spot.yaml", gce_api.url, gcs,
+def test_a_launched_run_survives_a_preemption_loses_its_head_and_resumes_from_gs_on_a_new_one(
+        tmp_path, gce_api, gce_harness, gcs, wait_for, capsys, artifacts_dir):
+    shipped = laptop_yaml(tmp_path / "shipped", "gcp-spot.yaml", gce_api.url, gcs)
+    spot = {**yaml.safe_load(shipped.read_text())["spot"], "notice_period_s": WINDOW_S}
+    laptop = laptop_yaml(tmp_path / "laptop", "gcp-spot.yaml", gce_api.url, gcs, spot=spot,
                          checkpoint={"uri": "gs://spotswarm-runs/gcp-demo", "endpoint_url": gcs,
                                      "every_s": CHECKPOINT_EVERY_S, "keep": 5})
+    zones = yaml.safe_load(laptop.read_text())["provider"]["availability_zone"].split(",")
+    gce_api.exhausted = {(zones[0], "spot")}  # the cheapest zone has no Spot capacity: the next one
+    gce_api.throttle = ["429", "403", "429"]  # and GCE rate-limits the first calls: retried
     archive = RunArchive("gs://spotswarm-runs/gcp-demo", endpoint_url=gcs)
     up = spotswarm_command(["up", laptop.name], laptop.parent, tmp_path / "up.out")
     resume = None
@@ -39,10 +55,23 @@ def test_a_launched_run_loses_its_head_and_resumes_from_gs_on_a_new_one(tmp_path
         wait = while_running(up, tmp_path / "up.out", wait_for)
         wait(lambda: (archive.status() or {}).get("training") == FLEET and archive.checkpoints(), 240,
              "the launched head's fleet to train and checkpoint")
-        machines = list(gce_harness.machines.values())
-        (old_head,) = [m for m in machines if m.instance_id.startswith("head-")]
-        old_fleet = sorted(m.instance_id for m in machines if m is not old_head)
-        assert len(old_fleet) == FLEET
+        assert gce_api.throttled == 3 and (zones[0], "spot", "ZONE_RESOURCE_POOL_EXHAUSTED") in gce_api.refused
+        (old_head,) = [m for m in gce_harness.machines.values() if m.instance_id.startswith("head-")]
+        workers = [m for m in gce_harness.machines.values() if m is not old_head]
+        assert len(workers) == FLEET and {m.zone for m in workers} <= set(zones[1:])
+
+        victim = gce_harness.preempt(workers[0].instance_id, WINDOW_S)
+
+        def replaced_and_training() -> bool:
+            doc = archive.status() or {}
+            return victim.killed_at is not None and doc.get("published_at", 0) > victim.killed_at and \
+                doc.get("live") == doc.get("training") == FLEET  # the victim gone, its replacement stepped
+        wait(replaced_and_training, 120, "the preempted worker's replacement to make its first averaged step")
+        replacement = max(gce_harness.machines.values(), key=lambda m: m.booted_at)
+        # its watcher read instance/preempted, then long-polled it
+        assert [w for _, path, w in victim.metadata.reads if path == "instance/preempted"][:2] == [False, True]
+        wait(lambda: victim.key not in gce_api.snapshot(), 30, "the TERMINATED VM deleted (its disk bills on)")
+        old_fleet = sorted(i for i in (replacement.instance_id, workers[1].instance_id))
 
         gce_harness.reclaim(old_head)  # the head VM is taken back, its power cut: the run's own state is gone
         lost_at = time.time()
@@ -73,6 +102,7 @@ def test_a_launched_run_loses_its_head_and_resumes_from_gs_on_a_new_one(tmp_path
                 process.kill()
                 process.wait(30)
     assert gce_api.snapshot() == {}  # every VM of the run deleted, the lost head's too
+    assert gce_harness.errors == []
 
     view = tmp_path / "view"
     archive.snapshot(view)
@@ -82,3 +112,18 @@ def test_a_launched_run_loses_its_head_and_resumes_from_gs_on_a_new_one(tmp_path
     retired = dict(query(view, "SELECT id, end_reason FROM instances WHERE end_reason = 'orphaned'"))
     assert sorted(retired) == old_fleet  # the old fleet joined a head that is gone: released, not adopted
     assert not (tmp_path / "laptop" / "runs").exists()
+    assert query(view, "SELECT end_reason FROM instances WHERE id = ?", victim.instance_id) == [("preempted",)]
+    left_at = event_time(view, "left", victim.instance_id)
+    assert victim.noticed_at < left_at < victim.killed_at  # the graceful leave came before the stop
+    first_step = event_time(view, "first_step", replacement.instance_id)
+    spot_prices = yaml.safe_load(laptop.read_text())["available_node_types"]["worker-spot"]["spot_price_per_hour"]
+    prices = query(view, "SELECT DISTINCT price_per_hour, zone FROM instances WHERE market = 'spot'")
+    assert prices and all(p == spot_prices[z] for p, z in prices)  # the config's prices
+    figures = {"window_s": WINDOW_S, "notice_to_graceful_leave_s": round(left_at - victim.noticed_at, 2),
+               "preemption_to_replacement_first_step_s": round(first_step - victim.killed_at, 2),
+               "notice_to_replacement_first_step_s": round(first_step - victim.noticed_at, 2),
+               "inserts_per_replacement": sum(1 for t, m in gce_api.calls
+                                              if m == "instances.insert" and victim.noticed_at <= t <= first_step),
+               "api_calls_per_replacement": sum(1 for t, _ in gce_api.calls if victim.noticed_at <= t <= first_step)}
+    (artifacts_dir / "gcp_e2e.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
