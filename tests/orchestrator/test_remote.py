@@ -147,3 +147,30 @@ def test_a_head_that_never_answers_is_given_up_on(tmp_path):
     assert remote.down_through_archive(config, out, answer_s=1.0) is False
     head.join(5)
     assert "no answer from its head within 1 s" in out.export_text()
+
+
+def test_token_issue_from_the_yaml_alone_signs_with_the_authority_key_in_the_archive(tmp_path, capsys):
+    from orchestrator.cli.launch import new_authority_key
+    from p2p import Identity
+    from p2p.membership import Authority, Certificate
+
+    config, laptop = head_and_laptop(tmp_path)
+    archive = RunArchive.for_config(config)
+    key = new_authority_key()
+    archive.write_launch({"command": "up", "config_yaml": laptop.read_text(), "head": "head-1"}, key)
+    (tmp_path / "k").write_bytes(key)
+    authority = Authority.from_file(tmp_path / "k", "r", create=False)
+    member_key = tmp_path / "volunteer.key"
+    assert main(["token", "issue", str(laptop), "--identity-out", str(member_key), "--ttl", "1h"]) == 0
+    out, err = capsys.readouterr()
+    cert = Certificate.from_token(out.strip())
+    assert (cert.run, cert.authority, cert.roles) == ("r", authority.public_key, ("volunteer",))
+    cert.check(run="r", authority=authority.public_key, peer_id=Identity.from_file(member_key).peer_id,
+               now=time.time())  # signed by the run's key, for the volunteer's new identity
+    assert f"--identity {member_key}" in err and not (tmp_path / "laptop" / "runs").exists()
+
+
+def test_token_issue_for_a_run_with_no_key_anywhere_says_so(tmp_path, capsys):
+    _, laptop = head_and_laptop(tmp_path)
+    assert main(["token", "issue", str(laptop)]) == 2
+    assert "has no authority.key, nor has the run's archive" in capsys.readouterr().err
