@@ -11,6 +11,7 @@ releases the old fleet (it joined a head that is gone), and trains on from the n
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -72,6 +73,19 @@ def test_a_launched_run_survives_a_preemption_loses_its_head_and_resumes_from_gs
         assert [w for _, path, w in victim.metadata.reads if path == "instance/preempted"][:2] == [False, True]
         wait(lambda: victim.key not in gce_api.snapshot(), 30, "the TERMINATED VM deleted (its disk bills on)")
         old_fleet = sorted(i for i in (replacement.instance_id, workers[1].instance_id))
+        before_loss = tmp_path / "before-loss"
+
+        def archived_first_step() -> bool:  # the archive's history lags the head by up to a checkpoint
+            shutil.rmtree(before_loss, ignore_errors=True)
+            archive.snapshot(before_loss)
+            return bool(query(before_loss, "SELECT 1 FROM events WHERE kind = 'first_step' AND instance_id = ?",
+                              replacement.instance_id))
+        wait(archived_first_step, 30, "the replacement's first step in the archived history")
+        assert query(before_loss, "SELECT end_reason FROM instances WHERE id = ?", victim.instance_id) == \
+            [("preempted",)]
+        left_at = event_time(before_loss, "left", victim.instance_id)
+        assert victim.noticed_at < left_at < victim.killed_at  # the graceful leave came before the stop
+        first_step = event_time(before_loss, "first_step", replacement.instance_id)
 
         gce_harness.reclaim(old_head)  # the head VM is taken back, its power cut: the run's own state is gone
         lost_at = time.time()
@@ -112,10 +126,6 @@ def test_a_launched_run_survives_a_preemption_loses_its_head_and_resumes_from_gs
     retired = dict(query(view, "SELECT id, end_reason FROM instances WHERE end_reason = 'orphaned'"))
     assert sorted(retired) == old_fleet  # the old fleet joined a head that is gone: released, not adopted
     assert not (tmp_path / "laptop" / "runs").exists()
-    assert query(view, "SELECT end_reason FROM instances WHERE id = ?", victim.instance_id) == [("preempted",)]
-    left_at = event_time(view, "left", victim.instance_id)
-    assert victim.noticed_at < left_at < victim.killed_at  # the graceful leave came before the stop
-    first_step = event_time(view, "first_step", replacement.instance_id)
     spot_prices = yaml.safe_load(laptop.read_text())["available_node_types"]["worker-spot"]["spot_price_per_hour"]
     prices = query(view, "SELECT DISTINCT price_per_hour, zone FROM instances WHERE market = 'spot'")
     assert prices and all(p == spot_prices[z] for p, z in prices)  # the config's prices
