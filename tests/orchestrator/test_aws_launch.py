@@ -66,6 +66,9 @@ def test_up_from_a_laptop_launches_the_head_and_down_from_elsewhere_leaves_nothi
         assert main(["status", str(elsewhere)]) == 0
         seen = capsys.readouterr().out
         assert "from s3://spotswarm-runs/aws-demo: the head" in seen and "running, epoch" in seen
+        assert main(["logs", str(elsewhere)]) == 0  # the head's logs, archived at its first publication
+        assert "supervisor.log" in capsys.readouterr().out
+        assert "Token authentication" not in ec2_harness.console(head.key)  # Ray's notices: the run's log
 
         workers = [m for m in ec2_harness.machines.values() if m is not head]
         at_risk = workers[0]
