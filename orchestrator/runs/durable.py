@@ -191,7 +191,8 @@ class RunArchive:
         """Create the bucket where there is none (in ``region``, for S3); whether it was created."""
         if self.scheme == "file" or self._bucket_exists():
             return False
-        options = {"region_name": region} if self.scheme == "s3" and region else {}
+        # S3 takes a location constraint for every region but us-east-1, where one is refused
+        options = {"region_name": region} if self.scheme == "s3" and region and region != "us-east-1" else {}
         self._call(f"creating the bucket {self.bucket}", self.fs.mkdir, self.bucket, create_parents=True, **options)
         return True
 

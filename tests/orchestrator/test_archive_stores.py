@@ -153,3 +153,19 @@ def test_an_archive_uri_of_a_store_without_its_library_names_the_extra(monkeypat
     monkeypatch.setattr(builtins, "__import__", no_gcsfs)
     with pytest.raises(ArchiveError, match=r"needs gcsfs: pip install 'spotswarm\[gcp\]'"):
         RunArchive("gs://bucket/x")
+
+
+def test_a_missing_bucket_is_created_once_and_a_whole_archived_run_cleared(tmp_path, where):
+    uri, endpoint = where
+    if not uri.startswith(("s3://", "gs://")):
+        pytest.skip("a directory has no bucket")
+    scheme, rest = uri.split("://")
+    archive = RunArchive(f"{scheme}://spotswarm-new-{tmp_path.name.lower().replace('_', '-')[:20]}/r",
+                         endpoint_url=endpoint)
+    assert archive.ensure_bucket("us-east-1") is True  # a launched run's default bucket
+    assert archive.ensure_bucket("us-east-1") is False
+    archive.check_writable()
+    archive.write_launch({"command": "up"}, b"key")
+    archive.request_stop(by="me")
+    archive.clear()
+    assert archive.stop_request() is None and archive.authority_key() is None
