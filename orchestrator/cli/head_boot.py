@@ -15,11 +15,17 @@ import logging
 import os
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from orchestrator.providers.bootstrap import BOOT_MARK, HEAD_INSTANCE_ENV
+
+if TYPE_CHECKING:
+    from orchestrator.config.schema import ClusterConfig
+    from orchestrator.host.ray_head import RayHead
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +38,30 @@ def _say(text: str) -> None:
     print(f"{BOOT_MARK} {text}", flush=True)
 
 
+@dataclass
+class BootedHead:
+    """What the boot prepared: the run's config (and its file here), its run directory, the launch document,
+    and the Ray head started for it, at ``address``."""
+
+    config: ClusterConfig
+    config_path: Path
+    run_dir: Path
+    launch: dict
+    head: RayHead
+    address: str
+
+
 def boot_head(uri: str, endpoint_url: str | None) -> int:
     """Boot the head and run the launch; the run's exit status (a failure before the run: ``BOOT_FAILED``, 1)."""
     try:
-        prepared = _prepare(uri, endpoint_url)
+        booted = _prepare(uri, endpoint_url)
     except Exception as e:  # noqa: BLE001 - whatever stops the boot is the laptop's to show
         _say(f"FAILED: {type(e).__name__}: {e}")
         return 1
-    return _run(*prepared)
+    return _run(booted)
 
 
-def _prepare(uri: str, endpoint_url: str | None) -> tuple:
+def _prepare(uri: str, endpoint_url: str | None) -> BootedHead:
     from orchestrator.cli.cluster import restore_run
     from orchestrator.config.checks import load_cluster_config
     from orchestrator.fleet.authority import AUTHORITY_FILE
@@ -77,10 +96,10 @@ def _prepare(uri: str, endpoint_url: str | None) -> tuple:
     head = RayHead(temp, home / "ray-head.log", dict(os.environ), num_cpus=os.cpu_count() or 1, new_session=False)
     address = head.wait_ready(RAY_START_S)
     _say(f"Ray head at {address} (token authentication); {launch['command']} of run {config.cluster_name} starts")
-    return config, config_path, run_dir, launch, head, address
+    return BootedHead(config, config_path, run_dir, launch, head, address)
 
 
-def _run(config, config_path: Path, run_dir: Path, launch: dict, head, address: str) -> int:  # noqa: ANN001
+def _run(booted: BootedHead) -> int:
     from orchestrator.cli import cluster
     from orchestrator.config.tags import INSTANCE_TAG
     from orchestrator.fleet.registry import terminate_cloud_run
@@ -88,17 +107,18 @@ def _run(config, config_path: Path, run_dir: Path, launch: dict, head, address: 
     console = Console(file=sys.stdout, force_terminal=False, width=120)
     code = 1
     try:
+        launch = booted.launch
         if launch["command"] == "resume":
-            code = cluster.resume(str(run_dir), launch.get("duration"), console, address=address)
+            code = cluster.resume(str(booted.run_dir), launch.get("duration"), console, address=booted.address)
         else:
-            code = cluster.up(str(config_path), launch.get("duration"), console, address=address)
+            code = cluster.up(str(booted.config_path), launch.get("duration"), console, address=booted.address)
     except Exception as e:  # noqa: BLE001 - said on the console, then the machine is released all the same
         _say(f"the run ended on an error: {type(e).__name__}: {e}")
     finally:
-        head.stop(grace_s=10)
+        booted.head.stop(grace_s=10)
     _say(f"the run stopped ({code}); releasing this head")
     try:
-        terminate_cloud_run(config, tags={INSTANCE_TAG: launch["head"]})
+        terminate_cloud_run(booted.config, tags={INSTANCE_TAG: booted.launch["head"]})
     except Exception as e:  # noqa: BLE001
         _say(f"could not release this head ({e}); `spotswarm down` terminates it")
     return code
