@@ -80,7 +80,7 @@ def test_a_launched_run_survives_a_preemption_loses_its_head_and_resumes_from_gs
             archive.snapshot(before_loss)
             return bool(query(before_loss, "SELECT 1 FROM events WHERE kind = 'first_step' AND instance_id = ?",
                               replacement.instance_id))
-        wait(archived_first_step, 30, "the replacement's first step in the archived history")
+        wait(archived_first_step, 60, "the replacement's first step in the archived history")
         assert query(before_loss, "SELECT end_reason FROM instances WHERE id = ?", victim.instance_id) == \
             [("preempted",)]
         left_at = event_time(before_loss, "left", victim.instance_id)
