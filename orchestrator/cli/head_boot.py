@@ -11,7 +11,6 @@ where the laptop reads a failed boot from (``BOOT_FAILED``).
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import sys
@@ -26,8 +25,6 @@ from orchestrator.providers.bootstrap import BOOT_MARK, HEAD_INSTANCE_ENV
 if TYPE_CHECKING:
     from orchestrator.config.schema import ClusterConfig
     from orchestrator.host.ray_head import RayHead
-
-logger = logging.getLogger(__name__)
 
 HOME_ENV = "SPOTSWARM_HOME"  # where the head keeps the run (default /var/lib/spotswarm)
 DEFAULT_HOME = "/var/lib/spotswarm"

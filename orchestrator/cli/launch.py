@@ -27,6 +27,7 @@ from orchestrator.config.checks import load_cluster_config
 from orchestrator.config.schema import ClusterConfig
 from orchestrator.config.tags import INSTANCE_TAG, NODE_TYPE_TAG, RUN_TAG
 from orchestrator.fleet.registry import terminate_cloud_run
+from orchestrator.fleet.zones import ZoneChoice
 from orchestrator.providers.base import CapacityError, LaunchSpec, ProviderError
 from orchestrator.providers.bootstrap import BOOT_FAILED, render_head_script
 from orchestrator.providers.cloud import CloudProvider, Machine
@@ -63,6 +64,24 @@ def default_archive_uri(config: ClusterConfig) -> str:
         raise NotStarted(f"checkpoint.uri is left out, and the account for its default bucket could not be "
                          f"found ({e}): set checkpoint.uri") from None
     return f"s3://spotswarm-{account}-{config.provider.region}/{config.cluster_name}"
+
+
+def check_default_bucket_owned(config: ClusterConfig, uri: str) -> None:
+    """A default bucket's name is predictable, and S3's names are global: one someone else made first (and
+    left writable) would take the run's archive and its authority key.  Refused unless this account owns it."""
+    if config.provider.type != "aws":
+        return
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket = uri.split("://", 1)[1].split("/", 1)[0]
+    account = bucket.split("-")[1]  # spotswarm-<account>-<region>: an account id is 12 digits
+    try:
+        boto3.client("s3", region_name=config.provider.region, endpoint_url=config.checkpoint.endpoint_url) \
+            .head_bucket(Bucket=bucket, ExpectedBucketOwner=account)
+    except (BotoCoreError, ClientError) as e:
+        raise NotStarted(f"the default archive bucket {bucket} is not this account's ({e}): set checkpoint.uri "
+                         "to a bucket of yours") from None
 
 
 def with_archive(config: ClusterConfig) -> ClusterConfig:
@@ -131,17 +150,6 @@ def refuse_if_head_up(config: ClusterConfig, config_path: str, provider: CloudPr
         provider.release_head(machine)
 
 
-def head_zones(config: ClusterConfig, provider: CloudProvider) -> list[str]:
-    head = config.head_node_type
-    assert head is not None
-    found = provider.zones_for(head)
-    if found:
-        return list(found)
-    if config.uses_provider_zones(head):
-        return list(getattr(provider, "zones", None) or config.provider.zones)
-    return config.zones_of(head)
-
-
 def launch_head(config: ClusterConfig, provider: CloudProvider, head_id: str) -> Machine:
     """The head, on demand, in the first zone with capacity; its machine as the cloud lists it."""
     head = config.head_node_type
@@ -150,7 +158,7 @@ def launch_head(config: ClusterConfig, provider: CloudProvider, head_id: str) ->
     assert archive_uri is not None
     script = render_head_script(config, archive_uri, endpoint)
     tags = {RUN_TAG: config.cluster_name, INSTANCE_TAG: head_id, NODE_TYPE_TAG: head}
-    zones = head_zones(config, provider)
+    zones = ZoneChoice(config, provider).zones(head)  # where the fleet's launches of that type would go
     if not zones:
         raise NotStarted(f"no zone to launch the head ({head}) in: set provider.zones")
     refused = []
@@ -188,6 +196,7 @@ def launch(config_path: str, duration: float | None, console: Console, command: 
         assert archive is not None
         if not given:
             created = archive.ensure_bucket(config.provider.region) if command == "up" else False
+            check_default_bucket_owned(config, archive.uri)
             console.print(f"the run's archive: {archive.uri} (checkpoint.uri left out: the default"
                           f"{', its bucket created' if created else ''})", soft_wrap=True)
         try:
@@ -244,7 +253,8 @@ def follow(config: ClusterConfig, config_path: str, provider: CloudProvider, arc
             if str(e) != unreadable:  # said once, not every poll
                 console.print(f"cannot read {archive.uri} now: {e}", soft_wrap=True)
             unreadable, doc = str(e), None
-        mine = doc is not None and float(doc.get("published_at", 0.0)) >= launched_at
+        # this head's word: told by its id, not by comparing its clock with ours
+        mine = doc is not None and doc.get("head_instance") == machine.tags.get(INSTANCE_TAG)
         if mine:
             assert doc is not None
             if booted_at is None:
@@ -268,7 +278,7 @@ def follow(config: ClusterConfig, config_path: str, provider: CloudProvider, arc
             console_read = time.monotonic()
             failure = _boot_failure(provider, machine, launched_at, boot_timeout_s)
             if failure is not None:
-                return _failed(config, provider, machine, failure, console)
+                return _failed(config, machine, failure, console)
         stop.wait(POLL_S)
     console.print(f"stopped following; the run goes on (`spotswarm down {config_path}` stops it)", soft_wrap=True)
     return 0
@@ -296,8 +306,7 @@ def _boot_failure(provider: CloudProvider, machine: Machine, launched_at: float,
     return None
 
 
-def _failed(config: ClusterConfig, provider: CloudProvider, machine: Machine, failure: tuple[str, str],
-            console: Console) -> int:
+def _failed(config: ClusterConfig, machine: Machine, failure: tuple[str, str], console: Console) -> int:
     reason, output = failure
     console.print(f"[bold red]the head did not boot:[/] {reason}", soft_wrap=True)
     tail = output.splitlines()[-CONSOLE_TAIL_LINES:]
