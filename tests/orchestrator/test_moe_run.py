@@ -13,7 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from experts.declare import get_experts  # noqa: E402
+from experts.declare import get_expert_holders  # noqa: E402
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.fleet.supervisor import SupervisorCore  # noqa: E402
 from orchestrator.runs.store import RunStore  # noqa: E402
@@ -48,16 +48,22 @@ def moe_config(tmp_path: Path) -> ClusterConfig:
 
 
 def unreachable(core: SupervisorCore) -> list[str]:
-    """The experts whose DHT record does not lead to a server that answers for them."""
+    """The experts that no holder in their DHT record answers for, each with what every holder's call
+    raised.  A caller tries the record's holders in turn (``moe.py``'s fail-over), so a record that
+    still names a server just killed, beside a live replica, leaves the expert reachable."""
     async def check(node) -> list[str]:
-        found = await get_experts(node, UIDS, latest=True)
+        found = await get_expert_holders(node, UIDS, latest=True)
         missing = []
-        for uid, address in found.items():
-            try:
-                assert address is not None
-                await node.p2p.call(address, "expert.info", {"uid": uid}, timeout=3.0)
-            except Exception:
-                missing.append(uid)
+        for uid, addresses in found.items():
+            errors = []
+            for address in addresses:
+                try:
+                    await node.p2p.call(address, "expert.info", {"uid": uid}, timeout=3.0)
+                    break
+                except Exception as e:
+                    errors.append(f"{address}: {type(e).__name__}: {e}")
+            else:
+                missing.append(f"{uid} ({'; '.join(errors) or 'no holder declared'})")
         return missing
     return core.dht.run_coroutine(check)
 
