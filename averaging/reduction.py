@@ -3,9 +3,12 @@
 A chunk is averaged once every sender delivered it (or was dropped), so the contributions are
 screened together before any enters the mean.  A sender is dropped, for the rest of the part, if its
 chunk is malformed for its codec or in a foreign dtype (``p2p.codecs.decode`` refuses it), not
-finite, large enough to overflow the mean, or has an L2 norm over ``norm_ratio`` times the lower
-median norm of the other contributions to that chunk; the weights are renormalized over the rest,
-so the result is the average of the others.
+finite, large enough to overflow the mean, or has an L2 norm over ``norm_ratio`` times the upper
+median norm of the other contributions to that chunk (over ``norm_ratio`` times a strict majority of
+them); the weights are renormalized over the rest, so the result is the average of the others.
+The upper median, not the lower: in a group of three, the lower median of a sender's two others is
+the smaller, and one member sending a tiny chunk (an honest peer near its optimum, or an attacker)
+would have the others' ordinary chunks refused.
 
 The mean is computed in place in this peer's own buffer, as a running weighted mean in a fixed
 order of senders, and every sender receives exactly the encoded bits the reducer kept.  The round
@@ -208,11 +211,11 @@ class Reducer:
     @staticmethod
     def _references(contributions: dict[int, tuple[torch.Tensor, float]], magnitudes: dict[int, float],
                     refused: dict[int, str]) -> dict[int, float]:
-        """Per sender still in: the lower median of the other magnitudes (ours among them)."""
+        """Per sender still in: the upper median of the other magnitudes (ours among them)."""
         ordered = sorted(magnitudes.values())
         if len(ordered) < 2:
             return {}
-        middle = (len(ordered) - 2) // 2  # the lower median of the others, once one is left out
+        middle = (len(ordered) - 1) // 2  # the upper median of the others, once one is left out
         out = {}
         for s, (_, magnitude) in contributions.items():
             if s not in refused:

@@ -331,6 +331,27 @@ async def test_the_median_screen_reads_our_norm_only_where_it_could_change_a_ver
     assert reads == [8] and reducer.failed == {}  # 50 is within 100 x 1, the median of (0.01, 1, ours 10)
 
 
+@pytest.mark.parametrize("tiny", [1e-6, 1e-3])
+async def test_in_a_group_of_three_a_tiny_chunk_does_not_have_the_others_refused(tiny):
+    """A sender's reference is the upper median of the others: with two others, the larger.  Against the
+    smaller, one member sending near-zero chunks (a peer whose update is tiny, or an attacker) would
+    have every ordinary chunk refused and the part averaged without them; an outsized chunk, over 100 x
+    both others, is still refused."""
+    flat = FlatTensors([torch.full((8,), 2.0)])
+    reducer = Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0}, 1.0, {}, 10.0, 100.0)
+    reducer.add(1, 0, {"c": "none", "d": torch.full((8,), tiny)})
+    reducer.add(2, 0, {"c": "none", "d": torch.full((8,), 4.0)})
+    assert reducer.failed == {}
+    torch.testing.assert_close(flat.flat.double(), torch.full((8,), (2.0 + tiny + 4.0) / 3, dtype=torch.float64))
+
+    flat = FlatTensors([torch.full((8,), 2.0)])
+    reducer = Reducer(flat, flat.chunks(0, 8, 8, Codec.NONE), {1: 1.0, 2: 1.0}, 1.0, {}, 10.0, 100.0)
+    reducer.add(1, 0, {"c": "none", "d": torch.full((8,), 4.0)})
+    reducer.add(2, 0, {"c": "none", "d": torch.full((8,), 401.0)})  # over 100 x both 2 and 4
+    assert list(reducer.failed) == [2] and "over 100 x the median norm" in reducer.failed[2]
+    assert torch.equal(flat.flat, torch.full((8,), 3.0))
+
+
 async def test_a_peer_sending_nan_is_excluded_and_the_others_are_correct(swarm):
     nodes = await swarm(5)
     tensors = [data(i) for i in range(5)]

@@ -32,8 +32,9 @@ class Recorded(DiLoCoOptimizer):
 
 
 def make_peers(n: int, authority: Authority | None = None, initial: list[str] | None = None,
-               load_state_on_start: bool = False, cls: type[Recorded] = Recorded,
+               load_state_on_start: bool = False, cls: type[Recorded] = Recorded, target_peers: int | None = None,
                **options) -> tuple[list[DHT], list[Recorded], list[torch.nn.Parameter]]:
+    """``n`` peers of a run whose round is ``target_peers`` (default ``n``) peers' 10 steps each."""
     def member(identity: Identity) -> dict:
         cert = authority.issue(identity.peer_id, 3600.0)
         return {"p2p_options": {"membership": Membership(authority.run, authority.public_key, cert)}}
@@ -42,9 +43,10 @@ def make_peers(n: int, authority: Authority | None = None, initial: list[str] | 
     for dht in dhts:
         param = torch.nn.Parameter(torch.zeros(SIZE))
         params.append(param)
-        opts.append(cls(torch.optim.SGD([param], lr=INNER_LR), dht, "diloco", target_batch_size=n * 10 * BATCH,
-                        outer_lr=LR, outer_momentum=MOMENTUM, min_matchmaking_time=0.5, averaging_timeout=20,
-                        load_state_on_start=load_state_on_start, **options))
+        opts.append(cls(torch.optim.SGD([param], lr=INNER_LR), dht, "diloco",
+                        target_batch_size=(target_peers or n) * 10 * BATCH, outer_lr=LR, outer_momentum=MOMENTUM,
+                        min_matchmaking_time=0.5, averaging_timeout=20, load_state_on_start=load_state_on_start,
+                        **options))
     return dhts, opts, params
 
 
@@ -129,7 +131,8 @@ def test_a_newcomer_loads_the_global_state_and_joins_the_next_round_in_step(wait
         momentum = opts[0].outer.state_dict()["state"][0]["momentum_buffer"].clone()
         for o in opts:  # their adverts of epoch 1 are stored before the newcomer reads them (not in flight)
             o._advertise(wait=True)
-        late = make_peers(1, initial=dhts[0].addresses, load_state_on_start=True)
+        # the run's round size, as the others have it (one run, one target batch size)
+        late = make_peers(1, initial=dhts[0].addresses, load_state_on_start=True, target_peers=2)
         newcomer = late[1][0]
         assert newcomer.epoch == 1
         assert torch.equal(newcomer.global_params[0], opts[0].global_params[0])
@@ -140,10 +143,10 @@ def test_a_newcomer_loads_the_global_state_and_joins_the_next_round_in_step(wait
         before = opts[0].global_params[0].clone()
         train_round(everyone, all_params, 2)
         assert [o.epoch for o in everyone] == [2, 2, 2]
+        assert [o.history[-1].group_size for o in everyone] == [3, 3, 3]  # the newcomer averaged in that round
         assert all(torch.equal(o.global_params[0], opts[0].global_params[0]) for o in everyone)
         expected, _ = expected_outer_step(before, momentum, [o.sent for o in everyone])
         torch.testing.assert_close(opts[0].global_params[0].double(), expected, rtol=0, atol=1e-5)
-        assert everyone[-1].history[-1].group_size == 3  # the newcomer averaged in that round
     finally:
         if late is not None:
             leave(late[0], late[1])
