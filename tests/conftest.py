@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import ipaddress
 import logging
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -28,6 +30,32 @@ for _key, _value in {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_ch
 # Same examples on every run: a failure found once is found again, and CI never flakes on a draw.
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
+
+
+
+_FOREIGN_NAMES: list[str] = []  # names this process was asked to resolve that are not this machine's
+
+
+def _resolve_local_only(resolve):
+    """Tests talk to loopback and the namespaces they create, never to a cloud: a name that is not this
+    machine's (a default endpoint a test forgot to point at its stand-in) is refused, and the test that
+    asked fails (``no_foreign_names``) even where the caller retried and carried on without it."""
+    local = {"localhost", socket.gethostname(), socket.getfqdn()}
+
+    @functools.wraps(resolve)
+    def guarded(host, *args, **kwargs):
+        name = host.decode() if isinstance(host, bytes) else host
+        if name is not None and name not in local and not name.endswith(".localhost"):
+            try:
+                ipaddress.ip_address(name.split("%")[0])
+            except ValueError:
+                _FOREIGN_NAMES.append(name)
+                raise socket.gaierror(socket.EAI_NONAME, f"tests never resolve {name!r}: use a stand-in") from None
+        return resolve(host, *args, **kwargs)
+    return guarded
+
+
+socket.getaddrinfo = _resolve_local_only(socket.getaddrinfo)
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 _wait_for = functools.partial(host_wait_for, every=0.1)
@@ -53,6 +81,13 @@ def no_asyncio_errors():
         logger.removeHandler(collector)
     messages = [r.getMessage() for r in collector.records]
     assert not messages, f"asyncio logged errors: {messages}"
+
+
+@pytest.fixture(autouse=True)
+def no_foreign_names():
+    del _FOREIGN_NAMES[:]
+    yield
+    assert not _FOREIGN_NAMES, f"the test tried to reach {sorted(set(_FOREIGN_NAMES))}, not a local stand-in"
 
 
 @pytest.fixture

@@ -114,7 +114,8 @@ def validate_shipped(capsys: pytest.CaptureFixture, name: str, summary: str) -> 
 
 def shipped_yaml(tmp_path: Path, name: str, endpoint: str, storage: str | None = None) -> Path:
     """A shipped config as a file of this test's, pointed at a cloud stand-in and at ``tmp_path/runs``;
-    its archive at ``storage`` (an S3 archive: at ``endpoint``, moto; else none unless given)."""
+    its archive at ``storage`` (an S3 archive: at ``endpoint``, moto), else in ``tmp_path/archive``.
+    Never without one: a cloud run with no ``checkpoint.uri`` takes the cloud's default bucket."""
     data = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
     data["provider"]["endpoint_url"] = endpoint
     data["runs_dir"] = str(tmp_path / "runs")
@@ -124,7 +125,7 @@ def shipped_yaml(tmp_path: Path, name: str, endpoint: str, storage: str | None =
         if storage:
             checkpoint["endpoint_url"] = storage
         else:
-            del checkpoint["uri"]
+            checkpoint["uri"] = str(tmp_path / "archive")
     return write(tmp_path, yaml.safe_dump(data), name)
 
 
