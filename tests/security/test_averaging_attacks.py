@@ -139,6 +139,25 @@ async def test_nan_inf_and_huge_finite_values_are_excluded_named_and_the_honest_
 
 
 @pytest.mark.timeout(60)
+async def test_in_a_group_of_three_a_member_sending_tiny_values_cannot_have_an_honest_one_refused(swarm):
+    """Against the lower median of a sender's two others, a member sending values 1e-4 of the usual
+    would have each honest reducer refuse the other honest sender, and every part would be the
+    average of one honest peer and the attacker.  Against the upper median, nobody is refused: the
+    tiny values are plausible and are averaged in like any others."""
+    game = Round(honest=2, attackers=1)
+    (tiny,) = await game.start(swarm)
+    tiny.round_class = sending(values(lambda d: d.mul_(1e-4)))
+    sent = [[t * 1e-4 for t in game.tensors[2]]]
+    results = await game.run()
+    expected = [torch.stack([t[k] for t in [*game.tensors[:2], *sent]]).double().mean(0) for k in range(len(SHAPES))]
+    for a, r in zip(game.averagers[:2], results, strict=False):
+        assert r.group_size == 3 and r.excluded == {}, r.excluded
+        for k in range(len(SHAPES)):
+            torch.testing.assert_close(a.tensors[k].double(), expected[k], rtol=1e-6, atol=1e-6)
+            assert torch.equal(a.tensors[k], game.averagers[0].tensors[k])
+
+
+@pytest.mark.timeout(60)
 async def test_out_of_range_weights_exclude_their_peer_everywhere(swarm):
     game = Round(honest=3, attackers=4)
     declares_huge, declares_nan, declares_negative, calls_huge = await game.start(swarm)
