@@ -40,7 +40,7 @@ demo: $(STAMP)  # CONFIG=cluster_configs/local-moe.yaml runs the mixture-of-expe
 test: $(STAMP) $(CHROMIUM)
 	@rc=0; export PYTHONDONTWRITEBYTECODE=; \
 	$(BIN)/python -m pytest -m 'not heavy and not alone' -n 2 || rc=$$?; \
-	$(BIN)/python -m pytest -m heavy -n 2 --dist loadfile || rc=$$?; \
+	$(BIN)/python -m pytest -m heavy -n 2 --dist loadfile --no-loadscope-reorder || rc=$$?; \
 	$(BIN)/python -m pytest -m alone || rc=$$?; \
 	exit $$rc
 
