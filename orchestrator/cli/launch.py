@@ -66,15 +66,27 @@ def default_archive_uri(config: ClusterConfig) -> str:
     return f"s3://spotswarm-{account}-{config.provider.region}/{config.cluster_name}"
 
 
-def check_default_bucket_owned(config: ClusterConfig, uri: str) -> None:
-    """A default bucket's name is predictable, and S3's names are global: one someone else made first (and
-    left writable) would take the run's archive and its authority key.  Refused unless this account owns it."""
-    if config.provider.type != "aws":
+def check_default_bucket_owned(config: ClusterConfig, provider: CloudProvider, archive: RunArchive) -> None:
+    """A default bucket's name is predictable, and bucket names are global (S3's and Cloud Storage's alike):
+    one someone else made first (and left writable) would take the run's archive and its authority key.
+    Refused unless this account (S3) or the run's project (Cloud Storage) owns it."""
+    bucket = archive.bucket
+    if config.provider.type == "gcp":
+        from orchestrator.providers.gcp import GcpProvider
+
+        assert isinstance(provider, GcpProvider)
+        try:
+            ours, owner = provider.project_number(), archive.gcs_project_number()
+        except (ProviderError, ArchiveError) as e:
+            raise NotStarted(f"the default archive bucket {bucket}'s owner could not be checked ({e}): set "
+                             "checkpoint.uri to a bucket of yours") from None
+        if owner != ours:
+            raise NotStarted(f"the default archive bucket {bucket} belongs to project number {owner or '?'}, not "
+                             f"to {config.provider.project} ({ours}): set checkpoint.uri to a bucket of yours")
         return
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket = uri.split("://", 1)[1].split("/", 1)[0]
     account = bucket.split("-")[1]  # spotswarm-<account>-<region>: an account id is 12 digits
     try:
         boto3.client("s3", region_name=config.provider.region, endpoint_url=config.checkpoint.endpoint_url) \
@@ -196,7 +208,7 @@ def launch(config_path: str, duration: float | None, console: Console, command: 
         assert archive is not None
         if not given:
             created = archive.ensure_bucket(config.provider.region) if command == "up" else False
-            check_default_bucket_owned(config, archive.uri)
+            check_default_bucket_owned(config, provider, archive)
             console.print(f"the run's archive: {archive.uri} (checkpoint.uri left out: the default"
                           f"{', its bucket created' if created else ''})", soft_wrap=True)
         try:

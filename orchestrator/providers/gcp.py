@@ -142,6 +142,22 @@ def _make_clients(config: ClusterConfig) -> tuple[Any, Any]:
                                 "account; see docs/gcp.md") from None
 
 
+def _projects_client(config: ClusterConfig) -> Any:
+    """A projects client, to the same endpoint and with the same credentials as ``_make_clients``'."""
+    from google.cloud import compute_v1
+
+    url = config.provider.endpoint_url
+    if url is None:
+        return compute_v1.ProjectsClient()
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud.compute_v1.services.projects.transports.rest import ProjectsRestTransport
+
+    parts = urllib.parse.urlsplit(url)
+    credentials = AnonymousCredentials() if parts.scheme == "http" else None
+    return compute_v1.ProjectsClient(transport=ProjectsRestTransport(host=parts.netloc, url_scheme=parts.scheme,
+                                                                     credentials=credentials))
+
+
 class GcpProvider(CloudProvider):
     """The ``gcp`` provider; every method that talks to GCE may block (the policy runs them on
     threads), ``price`` answers from the config."""
@@ -163,6 +179,11 @@ class GcpProvider(CloudProvider):
             raise ProviderError("the gcp provider needs provider.zones (or provider.availability_zone)")
         self.list_zones = every_zone(config)
         self._list_zone(self.zones[0], {RUN_TAG: config.cluster_name}, max_results=1)  # refused credentials: now
+
+    def project_number(self) -> str:
+        """The run's project's number (what a Cloud Storage bucket names as its owner)."""
+        project = self._call("projects.get", _projects_client(self.config).get, project=self.project)
+        return str(project.id)
 
     # ---- calling GCE -----------------------------------------------------------------------------
     def _call(self, method: str, fn: Callable[..., Any], call_timeout: float | None = None, **request: Any) -> Any:

@@ -187,6 +187,14 @@ class RunArchive:
             if self._call(f"looking for {folder}/", self.fs.exists, self.path(folder)):
                 self._call(f"deleting {folder}/", self.fs.rm, self.path(folder), recursive=True)
 
+    def gcs_project_number(self) -> str:
+        """The number of the Google Cloud project that owns this ``gs://`` archive's bucket."""
+        if self.scheme != "gs":
+            raise ValueError(f"{self.uri} is not a Cloud Storage archive")
+        found = self._call(f"reading the bucket {self.bucket}'s metadata", self.fs.call, "GET", "b/{}", self.bucket,
+                           json_out=True)
+        return str(found.get("projectNumber", ""))
+
     def ensure_bucket(self, region: str | None = None) -> bool:
         """Create the bucket where there is none (in ``region``, for S3); whether it was created."""
         if self.scheme == "file" or self._bucket_exists():

@@ -1,4 +1,5 @@
-"""GCE without a project: Compute Engine v1's REST API for instances and zone operations, in memory,
+"""GCE without a project: Compute Engine v1's REST API for instances, zone operations and the project's
+own record (``projects.get``: its number), in memory,
 with GCE's answers and error bodies (the real google-cloud-compute client talks to it over HTTP), and
 one instance's metadata server, whose ``instance/preempted`` a test turns TRUE."""
 
@@ -15,6 +16,9 @@ from datetime import datetime, timedelta, timezone
 from tests.fakes.servers import LoopServers
 
 GCE_PROJECT = "my-project"
+# the project's number: the one gcp-storage-emulator names as every bucket's owner, so that a bucket made
+# there counts as the project's own (a test that wants another owner sets ``project_number``)
+GCE_PROJECT_NUMBER = "1234"
 PREEMPTED_OPERATION = "compute.instances.preempted"
 _GCE_NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
 _GCE_LABEL_FILTER = re.compile(r'labels\.([a-z0-9_-]+)\s*=\s*"?([^")\s]*)"?')
@@ -49,6 +53,7 @@ class FakeComputeApi:
         from aiohttp import web
 
         self.project = project
+        self.project_number = GCE_PROJECT_NUMBER
         self.lock = threading.Lock()
         self.instances: dict[tuple[str, str], dict] = {}  # (zone, name) -> the Instance resource
         self.operations: dict[str, dict] = {}
@@ -68,6 +73,7 @@ class FakeComputeApi:
             return await self._gate(request, handler)
 
         app = web.Application(middlewares=[gate], client_max_size=1 << 22)
+        app.router.add_get("/compute/v1/projects/{project}", self._project, name="projects.get")
         app.router.add_post(base + "/instances", self._insert, name="instances.insert")
         app.router.add_get(base + "/instances", self._list, name="instances.list")
         app.router.add_get(base + "/instances/{name}", self._get, name="instances.get")
@@ -78,6 +84,12 @@ class FakeComputeApi:
         app.router.add_get(base + "/operations/{operation}", self._operation, name="zoneOperations.get")
         app.router.add_post(base + "/operations/{operation}/wait", self._operation, name="zoneOperations.wait")
         self.url = f"http://127.0.0.1:{servers.serve(app)}"
+
+    async def _project(self, request):
+        from aiohttp import web
+
+        return web.json_response({"kind": "compute#project", "name": self.project, "id": self.project_number,
+                                  "selfLink": f"https://www.googleapis.com/compute/v1/projects/{self.project}"})
 
     def count(self, method: str, since: float = 0.0) -> int:
         return sum(1 for t, m in self.calls if m == method and t >= since)

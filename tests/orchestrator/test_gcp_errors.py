@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("google.cloud.compute_v1")
 
@@ -19,7 +20,7 @@ from orchestrator.cli.main import main  # noqa: E402
 from orchestrator.config.schema import ClusterConfig  # noqa: E402
 from orchestrator.providers.base import LaunchSpec, ProviderAuthError  # noqa: E402
 from orchestrator.providers.gcp import GcpProvider, instance_name, label_filter, label_value  # noqa: E402
-from tests.orchestrator.run_checks import fleet_policy, refusal_stops_the_run, shipped_yaml  # noqa: E402
+from tests.orchestrator.run_checks import ROOT, fleet_policy, refusal_stops_the_run, shipped_yaml  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,3 +261,46 @@ def test_an_exhausted_zone_moves_the_launch_to_the_other_region(tmp_path, gce_ap
         assert [(i.node_type, i.region, i.zone) for i in policy.live.values()] == [
             ("w", "us-central1", "us-central1-a")]
         assert [zone for zone, _ in gce_api.snapshot()] == ["us-central1-a"]
+
+
+# ---- the default archive bucket: its name is predictable, so its owner is checked -------------------------
+def default_archive_yaml(tmp_path: Path, endpoint: str, gcs: str) -> Path:
+    """The shipped gcp-spot.yaml with no ``checkpoint.uri`` (as in Ray's YAMLs): the default bucket,
+    ``spotswarm-my-project``, on the Cloud Storage emulator."""
+    data = yaml.safe_load((ROOT / "cluster_configs" / "gcp-spot.yaml").read_text())
+    data["provider"]["endpoint_url"] = endpoint
+    data["runs_dir"] = str(tmp_path / "runs")
+    data["checkpoint"] = {k: v for k, v in data["checkpoint"].items() if k != "uri"} | {"endpoint_url": gcs}
+    path = tmp_path / "gcp-spot.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_default_bucket_is_taken_only_where_the_runs_project_owns_it(tmp_path, gce_api, gcs):
+    from orchestrator.cli.launch import check_default_bucket_owned, with_archive
+    from orchestrator.cli.refusals import NotStarted
+    from orchestrator.config.checks import load_cluster_config
+    from orchestrator.runs.durable import RunArchive
+
+    config = with_archive(load_cluster_config(default_archive_yaml(tmp_path, gce_api.url, gcs)))
+    archive = RunArchive.for_config(config)
+    assert archive is not None and archive.uri == "gs://spotswarm-my-project/gcp-demo"
+    archive.ensure_bucket()
+    provider = GcpProvider(config, time.time)
+    try:
+        check_default_bucket_owned(config, provider, archive)  # the emulator's buckets are project 1234's
+        gce_api.project_number = "5678"  # the same name, made first by another project
+        with pytest.raises(NotStarted, match=r"spotswarm-my-project belongs to project number 1234, not to "
+                                             r"my-project \(5678\)"):
+            check_default_bucket_owned(config, provider, archive)
+    finally:
+        provider.shutdown()
+    assert gce_api.count("projects.get") == 2
+
+
+def test_up_with_a_default_bucket_of_another_project_starts_nothing(tmp_path, gce_api, gcs, capsys):
+    gce_api.project_number = "5678"
+    assert main(["up", str(default_archive_yaml(tmp_path, gce_api.url, gcs))]) == 2
+    err = capsys.readouterr().err
+    assert "belongs to project number 1234, not to my-project (5678): set checkpoint.uri" in err
+    assert "Traceback" not in err and gce_api.snapshot() == {} and gce_api.count("instances.insert") == 0
