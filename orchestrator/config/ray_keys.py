@@ -41,8 +41,7 @@ RAY_LAUNCHER_KEYS: dict[str, dict[str, str]] = {
         "key_pair": "set node_config.KeyName", "security_group": "set node_config.SecurityGroupIds",
     },
     "available_node_types.*": {
-        "docker": _BOOT, "idle_timeout_s": _SIZE, "initialization_commands": _BOOT, "labels": _IGNORED,
-        "priority": _SIZE, "worker_setup_commands": _BOOT,
+        "docker": _BOOT, "idle_timeout_s": _SIZE, "labels": _IGNORED, "priority": _SIZE,
     },
 }
 

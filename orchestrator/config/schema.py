@@ -192,6 +192,10 @@ class NodeType(_Strict):
     # the zones of its region it launches in; unset: provider.zones when its region is the provider's
     # (aws in another region: that region's zones, found by the provider); see ClusterConfig.zones_of
     zones: list[str] | None = None
+    # as in Ray's YAML, this node type's own boot commands in place of the top-level lists of the same name
+    # (unset: those); worker_setup_commands apply to workers, initialization_commands to the head too
+    initialization_commands: list[str] | None = None
+    worker_setup_commands: list[str] | None = None
 
     @pydantic.field_validator("zones")
     @classmethod

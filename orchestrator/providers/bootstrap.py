@@ -59,17 +59,25 @@ def ray_start_args(config: ClusterConfig, node_type: str, head_address: str, ins
     return args
 
 
-def boot_commands(config: ClusterConfig, role: str) -> list[tuple[str, str]]:
-    """Ray's boot commands for a ``head`` or ``worker`` machine in Ray's order, each named by its key
-    and position (``setup_commands[1]``)."""
-    keys = ["initialization_commands", "setup_commands", f"{role}_setup_commands"]
-    return [(f"{key}[{i}]", command) for key in keys for i, command in enumerate(getattr(config, key))]
+def boot_commands(config: ClusterConfig, role: str, node_type: str | None = None) -> list[tuple[str, str]]:
+    """Ray's boot commands for a ``head`` or ``worker`` machine of ``node_type`` in Ray's order, each
+    named by its key and position (``setup_commands[1]``; a node type's own list, as in Ray's YAML, by its
+    place: ``available_node_types.gpu.worker_setup_commands[0]``)."""
+    own = config.available_node_types.get(node_type) if node_type is not None else None
+    steps: list[tuple[str, str]] = []
+    for key in ("initialization_commands", "setup_commands", f"{role}_setup_commands"):
+        commands, name = getattr(config, key), key
+        overriding = getattr(own, key, None) if own is not None and key != "setup_commands" else None
+        if overriding is not None:
+            commands, name = overriding, f"available_node_types.{node_type}.{key}"
+        steps += [(f"{name}[{i}]", command) for i, command in enumerate(commands)]
+    return steps
 
 
-def _step_lines(config: ClusterConfig, role: str) -> list[str]:
+def _step_lines(config: ClusterConfig, role: str, node_type: str | None) -> list[str]:
     """Shell lines running the boot commands in order, each logged and its output on the console; the
     first failure ends the boot with a ``BOOT_FAILED`` line naming it."""
-    steps = boot_commands(config, role)
+    steps = boot_commands(config, role, node_type)
     if not steps:
         return []
     lines = [
@@ -95,7 +103,7 @@ def render_head_script(config: ClusterConfig, archive_uri: str, endpoint_url: st
         f"# spotswarm: the head of run {config.cluster_name}",
         "set -uo pipefail",
         f'echo "{BOOT_MARK} the head of run {config.cluster_name} boots"',
-        *_step_lines(config, "head"),
+        *_step_lines(config, "head", config.head_node_type),
         f"exec {' '.join(shlex.quote(c) for c in command)}",
         "",
     ]
@@ -126,7 +134,7 @@ def render_boot_script(config: ClusterConfig, node_type: str, head_address: str,
         f"# spotswarm: instance {instance_id} ({node_type}) of run {config.cluster_name}",
         "set -euo pipefail",
     ]
-    steps = _step_lines(config, "worker")
+    steps = _step_lines(config, "worker", node_type)
     if steps:  # a failing command must reach its own report, not end the script at once
         lines += ["set +e", *steps, "set -e"]
     if auth_token == "$RAY_AUTH_TOKEN":

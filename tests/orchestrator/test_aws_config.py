@@ -112,8 +112,7 @@ def test_a_ray_launcher_yaml_loads_with_one_warning_per_unused_key(tmp_path):
     config, warnings = load(path)
     at = {key: line_of(RAY_LAUNCHER_YAML, key + ":") for key in (
         "max_workers", "upscaling_speed", "idle_timeout_minutes", "cache_stopped_nodes", "auth", "file_mounts",
-        "initialization_commands", "setup_commands", "head_start_ray_commands", "worker_start_ray_commands",
-        "worker_setup_commands")}
+        "initialization_commands", "setup_commands", "head_start_ray_commands", "worker_start_ray_commands")}
     assert warnings == [
         f"{path}:{at['max_workers']}: max_workers: {SIZE}",
         f"{path}:{at['upscaling_speed']}: upscaling_speed: {SIZE}",
@@ -121,13 +120,13 @@ def test_a_ray_launcher_yaml_loads_with_one_warning_per_unused_key(tmp_path):
         f"{path}:{at['cache_stopped_nodes']}: provider.cache_stopped_nodes: {UNUSED}spotswarm terminates the "
         "instances it releases",
         f"{path}:{at['auth']}: auth: {SSH}",
-        f"{path}:{at['worker_setup_commands']}: available_node_types.ray.worker.default.worker_setup_commands: {BOOT}",
         f"{path}:{at['file_mounts']}: file_mounts: {SSH}",
         f"{path}:{at['head_start_ray_commands']}: head_start_ray_commands: {START}",
         f"{path}:{at['worker_start_ray_commands']}: worker_start_ray_commands: {START}",
     ]
     # Ray's boot commands are the boot scripts' (the head's, the fleet's), in Ray's order
     assert (config.initialization_commands, config.setup_commands) == ([], ["pip install spotswarm"])
+    assert config.available_node_types["ray.worker.default"].worker_setup_commands == ["echo worker"]  # its own
     # Ray's head type has only node_config and resources: our defaults apply, and it is not launched
     head = config.available_node_types["ray.head.default"]
     assert (head.min_workers, head.max_workers, head.node_config) == (0, 1, {"InstanceType": "m5.large"})

@@ -13,11 +13,15 @@ from orchestrator.config.schema import ClusterConfig
 from orchestrator.providers.bootstrap import BOOT_FAILED, render_boot_script, render_head_script
 
 
-def config(tmp_path: Path, **commands: list[str]) -> ClusterConfig:
+def config(tmp_path: Path, types: dict | None = None, **commands: list[str]) -> ClusterConfig:
+    """The run's config with the top-level boot ``commands``; ``types``: node types' own keys, by type."""
+    node_types = {"head": {"max_workers": 0}, "w": {"min_workers": 1, "max_workers": 1},
+                  "gpu": {"min_workers": 0, "max_workers": 1}}
+    for name, keys in (types or {}).items():
+        node_types[name] = {**node_types[name], **keys}
     return ClusterConfig.model_validate({
         "cluster_name": "boot", "provider": {"type": "local", "zones": ["a"]}, "head_node_type": "head",
-        "available_node_types": {"head": {"max_workers": 0}, "w": {"min_workers": 1, "max_workers": 1}},
-        **commands})
+        "available_node_types": node_types, **commands})
 
 
 def run(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -76,3 +80,31 @@ def test_a_workers_script_runs_its_own_commands_and_not_the_heads(tmp_path):
 def test_without_commands_the_scripts_are_as_before(tmp_path):
     script = render_boot_script(config(tmp_path), "w", "127.0.0.1:1", "w-0")
     assert "spotswarm_step" not in script and "set +e" not in script
+
+
+def test_a_node_types_own_commands_replace_the_top_level_ones_for_its_machines(tmp_path):
+    """As in Ray's YAML: a node type's initialization_commands and worker_setup_commands stand in for the
+    top-level lists of the same name on its machines (the head's type's initialization_commands too);
+    setup_commands stay shared, and another type keeps the top-level lists."""
+    log = tmp_path / "order.log"
+    own = {"initialization_commands": [f"echo gpu-init >> {log}"],
+           "worker_setup_commands": [f"echo gpu-setup >> {log}", "exit 5"]}
+    cfg = config(tmp_path, types={"gpu": own, "head": {"initialization_commands": [f"echo head-init >> {log}"]}},
+                 **order_commands(log))
+    done = run(render_boot_script(cfg, "gpu", "127.0.0.1:1", "gpu-0"), tmp_path)
+    assert done.returncode == 5
+    assert log.read_text().split() == ["gpu-init", "setup_commands-0", "setup_commands-1", "gpu-setup"]
+    assert done.stdout.splitlines()[-1] == \
+        f"{BOOT_FAILED}: available_node_types.gpu.worker_setup_commands[1] exited with status 5: exit 5"
+
+    log.unlink()
+    cfg = config(tmp_path, types={"gpu": own}, **order_commands(log))
+    run(render_boot_script(cfg, "w", "127.0.0.1:1", "w-0").replace("ray start", "exit 0 #"), tmp_path)
+    assert log.read_text().split()[:2] == ["initialization_commands-0", "initialization_commands-1"]
+
+    log.unlink()
+    cfg = config(tmp_path, types={"head": {"initialization_commands": [f"echo head-init >> {log}"]}},
+                 **order_commands(log))
+    run(render_head_script(cfg, str(tmp_path / "no-archive")), tmp_path)
+    assert log.read_text().split() == ["head-init", "setup_commands-0", "setup_commands-1", "head_setup_commands-0",
+                                       "head_setup_commands-1"]
