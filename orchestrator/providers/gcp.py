@@ -115,47 +115,36 @@ def _api_error_codes(error: Any) -> set[str]:
 
 
 def _make_clients(config: ClusterConfig) -> tuple[Any, Any]:
-    """The instances and zone operations clients: to ``provider.endpoint_url`` when given (an
-    ``http://`` one is a stand-in such as the tests' fake API and gets anonymous credentials, never
-    real ones in clear text), else to GCE with the default credentials."""
+    """The instances and zone operations clients (``_client``)."""
     try:
-        from google.auth.exceptions import DefaultCredentialsError
         from google.cloud import compute_v1
+        from google.cloud.compute_v1.services.instances.transports.rest import InstancesRestTransport
+        from google.cloud.compute_v1.services.zone_operations.transports.rest import ZoneOperationsRestTransport
     except ImportError:
         raise ProviderError("the gcp provider needs google-cloud-compute: pip install 'spotswarm[gcp]'") from None
+    return (_client(config, compute_v1.InstancesClient, InstancesRestTransport),
+            _client(config, compute_v1.ZoneOperationsClient, ZoneOperationsRestTransport))
+
+
+def _client(config: ClusterConfig, client: Any, transport: Any) -> Any:
+    """A google-cloud-compute client: to ``provider.endpoint_url`` when given (an ``http://`` one is a
+    stand-in such as the tests' fake API and gets anonymous credentials, never real ones in clear text),
+    else to GCE with the default credentials."""
+    from google.auth.exceptions import DefaultCredentialsError
+
     url = config.provider.endpoint_url
     try:
         if url is None:
-            return compute_v1.InstancesClient(), compute_v1.ZoneOperationsClient()
+            return client()
         from google.auth.credentials import AnonymousCredentials
-        from google.cloud.compute_v1.services.instances.transports.rest import InstancesRestTransport
-        from google.cloud.compute_v1.services.zone_operations.transports.rest import ZoneOperationsRestTransport
 
         parts = urllib.parse.urlsplit(url)
         credentials = AnonymousCredentials() if parts.scheme == "http" else None
-        options = {"host": parts.netloc, "url_scheme": parts.scheme, "credentials": credentials}
-        return (compute_v1.InstancesClient(transport=InstancesRestTransport(**options)),
-                compute_v1.ZoneOperationsClient(transport=ZoneOperationsRestTransport(**options)))
+        return client(transport=transport(host=parts.netloc, url_scheme=parts.scheme, credentials=credentials))
     except DefaultCredentialsError as e:
         raise ProviderAuthError(f"no Google credentials found ({e}); set GOOGLE_APPLICATION_CREDENTIALS, run "
                                 "`gcloud auth application-default login`, or run on a VM with a service "
                                 "account; see docs/gcp.md") from None
-
-
-def _projects_client(config: ClusterConfig) -> Any:
-    """A projects client, to the same endpoint and with the same credentials as ``_make_clients``'."""
-    from google.cloud import compute_v1
-
-    url = config.provider.endpoint_url
-    if url is None:
-        return compute_v1.ProjectsClient()
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud.compute_v1.services.projects.transports.rest import ProjectsRestTransport
-
-    parts = urllib.parse.urlsplit(url)
-    credentials = AnonymousCredentials() if parts.scheme == "http" else None
-    return compute_v1.ProjectsClient(transport=ProjectsRestTransport(host=parts.netloc, url_scheme=parts.scheme,
-                                                                     credentials=credentials))
 
 
 class GcpProvider(CloudProvider):
@@ -182,7 +171,11 @@ class GcpProvider(CloudProvider):
 
     def project_number(self) -> str:
         """The run's project's number (what a Cloud Storage bucket names as its owner)."""
-        project = self._call("projects.get", _projects_client(self.config).get, project=self.project)
+        from google.cloud import compute_v1
+        from google.cloud.compute_v1.services.projects.transports.rest import ProjectsRestTransport
+
+        projects = _client(self.config, compute_v1.ProjectsClient, ProjectsRestTransport)
+        project = self._call("projects.get", projects.get, project=self.project)
         return str(project.id)
 
     # ---- calling GCE -----------------------------------------------------------------------------
