@@ -40,7 +40,7 @@ def _resolve_local_only(resolve):
     """Tests talk to loopback and the namespaces they create, never to a cloud: a name that is not this
     machine's (a default endpoint a test forgot to point at its stand-in) is refused, and the test that
     asked fails (``no_foreign_names``) even where the caller retried and carried on without it."""
-    local = {"localhost", socket.gethostname(), socket.getfqdn()}
+    local = {"localhost", socket.gethostname()}  # (no getfqdn: a reverse lookup at every start)
 
     @functools.wraps(resolve)
     def guarded(host, *args, **kwargs):
