@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from p2p import P2P, P2PError, PeerID
+from p2p import P2P, P2PError, PeerGone, PeerID, PeerIDMismatch
 from p2p.codecs import BadChunk, Codec, check_decodable, decode, decode_into, encode, write_checked
 from p2p.waiting import wait_event
 
@@ -357,6 +357,8 @@ class AllReduceRound:
                     await asyncio.gather(sender, return_exceptions=True)
         except (P2PError, ValueError, StopAsyncIteration) as e:
             logger.info("reducer %d failed after %d/%d chunks: %s", j, received, len(chunks), e)
+            if isinstance(e, (PeerGone, PeerIDMismatch)):
+                self._gone(j, e)
             # the chunks not received keep their local values
             self._drop(j, f"part {j}: reducer failed after {received}/{len(chunks)} chunks: {e}")
         except asyncio.CancelledError:  # the round passed its deadline while reducer j kept silent
@@ -366,6 +368,13 @@ class AllReduceRound:
         finally:
             if received < len(chunks):
                 self.outcome.unaveraged.add(j)
+
+    def _gone(self, j: int, error: P2PError) -> None:
+        """Member j no longer runs at its address: its slice of our part will not come, so our part
+        is averaged without it now instead of at the deadline (the others, refused the same way,
+        do the same for theirs)."""
+        if self.reducer is not None and not self.reducer.finished_sending(j):
+            self.reducer.fail(j, f"it is gone: {error}")
 
     def _note_reported(self, j: int, reported: Any) -> None:
         """Record whom reducer j says it dropped (its word: reasons are prefixed with its part)."""

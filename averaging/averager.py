@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dht import DHT, DHTNode
-from p2p import CallKind, P2PError, PeerID
+from p2p import CallKind, P2PError, PeerGone, PeerID, PeerIDMismatch
 from p2p.codecs import Codec
 from p2p.node import CallContext
 
@@ -426,9 +426,10 @@ class DecentralizedAverager:
     async def others_completed(self, result: StepResult, timeout: float | None = None) -> bool | None:
         """Whether another member of the round ``result`` came from holds the group's average (and so
         may have stepped on it): True if one says so, False if every other member says its round came
-        back incomplete, None if one could not tell.  A member whose round came back incomplete must
-        not average again for the same step while another may have stepped: a group counts with a
-        strict majority of the peers, and a member counted twice lets two groups step apart."""
+        back incomplete or is gone (refuses connections), None if one could not tell.  A member whose
+        round came back incomplete must not average again for the same step while another may have
+        stepped: a group counts with a strict majority of the peers, and a member counted twice lets
+        two groups step apart."""
         group = result.group
         if group is None:
             return False
@@ -442,6 +443,9 @@ class DecentralizedAverager:
     async def _ask_outcome(self, peer: Any, group_id: bytes, timeout: float) -> bool | None:
         try:
             reply = await self.node.p2p.call(peer, self.outcome_method, {"g": group_id}, timeout=timeout)
+        except (PeerGone, PeerIDMismatch) as e:  # not running there: it holds no state anyone could load
+            logger.debug("%s is gone, so it did not step on round %s: %s", peer, group_id.hex()[:8], e)
+            return False
         except P2PError as e:
             logger.debug("could not ask %s how round %s ended: %s", peer, group_id.hex()[:8], e)
             return None

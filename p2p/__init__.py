@@ -9,6 +9,7 @@ from .address import PeerAddress
 from .errors import (
     NotAMember,
     P2PError,
+    PeerGone,
     PeerIDMismatch,
     PeerUnreachable,
     ProtocolError,
@@ -25,6 +26,7 @@ from .wire import EncodeError
 
 __all__ = [
     "P2P", "AuthHook", "Authority", "Call", "CallContext", "CallKind", "Certificate", "EncodeError", "Identity",
-    "Limits", "Membership", "NotAMember", "P2PError", "PeerAddress", "PeerID", "PeerIDMismatch",
+    "Limits", "Membership", "NotAMember", "P2PError", "PeerAddress", "PeerGone", "PeerID",
+    "PeerIDMismatch",
     "PeerUnreachable", "ProtocolError", "RemoteError", "ResourceExhausted", "RPCTimeout", "spawn_peers",
 ]

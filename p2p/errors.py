@@ -15,6 +15,11 @@ class PeerUnreachable(P2PError):
     """The peer could not be reached, or the connection died before the call finished."""
 
 
+class PeerGone(PeerUnreachable):
+    """Nothing listens at the peer's address any more (connection refused): it is down, not slow, so
+    waiting for it is pointless."""
+
+
 class Retry(PeerUnreachable):
     """The peer announced it would not process this call (GOAWAY); safe to retry elsewhere."""
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from .address import PeerAddress
 from .connection import Connection
-from .errors import PeerUnreachable, RPCTimeout
+from .errors import PeerGone, PeerUnreachable, RPCTimeout
 from .identity import PeerID
-from .route import RelayRoute
+from .route import RelayRefused, RelayRoute
 
 if TYPE_CHECKING:
     from .connection import ConnectionHost
@@ -140,7 +140,10 @@ class ConnectionPool:
         try:
             await asyncio.wait_for(connecting, remaining)
         except (OSError, asyncio.TimeoutError) as e:
-            raise PeerUnreachable(f"cannot connect to {addr}: {e or type(e).__name__}") from None
+            # a relay's refusal is the relay's word, not proof that the peer is down
+            gone = isinstance(e, ConnectionRefusedError) and not isinstance(e, RelayRefused)
+            raise (PeerGone if gone else PeerUnreachable)(
+                f"cannot connect to {addr}: {e or type(e).__name__}") from None
         if self.closed:
             conn.close("shutting down")
             raise PeerUnreachable("this peer is shut down")

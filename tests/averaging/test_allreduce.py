@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import socket
 import threading
 
 import pytest
@@ -10,11 +13,11 @@ import torch
 import uvloop
 
 from averaging import Codec, DecentralizedAverager, MoshpitAverager, ShapeMismatch
-from averaging.allreduce import AllReduceRound
+from averaging.allreduce import AllReduceRound, GroupInfo
 from averaging.partition import FlatTensors
 from averaging.reduction import Reducer
 from dht import DHTNode
-from p2p import Limits, P2PError
+from p2p import Identity, Limits, P2PError
 from p2p.codecs import error_bound
 from tests.averaging.means import assert_exact_mean_everywhere, exact_mean
 
@@ -456,3 +459,40 @@ async def test_members_tell_each_other_how_a_round_ended_and_tell_strangers_noth
         assert await averagers[0].others_completed(results[0], timeout=1.0) is None
     finally:
         await shutdown_all(averagers[:2])
+
+
+async def test_a_member_gone_before_the_round_is_dropped_at_once_not_at_the_deadline(swarm):
+    """A member killed between matchmaking and the all-reduce: its address refuses connections, so
+    the others average their parts without it at once (nobody waits out ``sender_timeout``), and
+    asked how the round ended, it counts as a member that did not step."""
+    nodes = await swarm(2)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gone = Identity().peer_id
+    tensors = [data(0), data(1)]
+    mean = torch.cat([m.flatten() for m in exact_mean(tensors)])
+    averagers = await make_averagers(nodes, tensors)
+    numel = averagers[0].flat.numel
+    sizes = [numel // 3, numel // 3, numel - 2 * (numel // 3)]
+    group = GroupInfo(os.urandom(20), [n.peer_id for n in nodes] + [gone],
+                      [str(n.address) for n in nodes] + [f"{gone}@127.0.0.1:{port}"], sizes, [1.0] * 3,
+                      chunk_size=4096)
+    sender_timeout = 60.0
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        results = await asyncio.gather(*(
+            a._run_round(dataclasses.replace(group, my_index=i), 1.0, Codec.NONE, started + 120, sender_timeout, True)
+            for i, a in enumerate(averagers)))
+        took = loop.time() - started
+        for r in results:
+            assert r.failed_peers == [gone] and "cannot connect" in r.excluded[gone]
+            assert r.unaveraged_parts == [2] and not r.complete
+        for lo, hi in ((0, sizes[0]), (sizes[0], sizes[0] + sizes[1])):  # the two parts they reduce
+            for a in averagers:
+                torch.testing.assert_close(a.flat.flat[lo:hi], mean[lo:hi], rtol=1e-5, atol=1e-5)
+        assert took < sender_timeout / 2, f"the round took {took:.1f} s: it waited for the gone member"
+        assert await averagers[0].others_completed(results[0], timeout=5.0) is False  # member 1 failed too
+    finally:
+        await shutdown_all(averagers)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p import P2P, PeerUnreachable
+from p2p import P2P, PeerGone, PeerUnreachable
 
 HERE = Path(__file__).parent
 
@@ -41,6 +41,19 @@ async def test_remote_dying_mid_stream_raises_peer_unreachable():
     finally:
         proc.kill()
         proc.wait()
+        await client.shutdown()
+
+
+async def test_a_peer_that_shut_down_is_gone_not_slow():
+    """Nothing listens at its address: the caller learns at once that waiting is pointless."""
+    probe = await P2P.create()
+    addr = str(probe.address)
+    await probe.shutdown()
+    client = await P2P.create(client_mode=True)
+    try:
+        with pytest.raises(PeerGone, match=f"cannot connect to {addr}"):
+            await client.call(addr, "echo", 1, timeout=5)
+    finally:
         await client.shutdown()
 
 

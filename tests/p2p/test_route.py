@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from p2p import P2P, PeerUnreachable
+from p2p import P2P, PeerGone, PeerUnreachable
 from p2p.route import MAX_HEADER_BYTES, RelayRoute, parse_relay_header, relay_header
 
 pytestmark = pytest.mark.timeout(30)
@@ -65,8 +65,9 @@ async def test_a_dial_the_relay_refuses_is_a_peer_unreachable_with_its_reason():
     route = RelayRoute.make(fake_relay.sockets[0].getsockname()[:2], "127.77.1.1", ["127.0.0.1"])
     caller = await P2P.create("127.77.1.1", 0, route=route)
     try:
-        with pytest.raises(PeerUnreachable, match="refused: no such region"):
+        with pytest.raises(PeerUnreachable, match="refused: no such region") as refused:
             await caller.call(target.address, "anything", timeout=5)
+        assert not isinstance(refused.value, PeerGone)  # the relay's word, not proof the peer is down
     finally:
         await caller.shutdown()
         await target.shutdown()

@@ -176,7 +176,7 @@ async def test_a_handler_whose_own_call_fails_reports_it_instead_of_going_silent
     await probe.shutdown()
     with pytest.raises(RemoteError) as info:
         await a.call(b.address, "relay", dead, timeout=10)
-    assert info.value.type_name == "PeerUnreachable" and "cannot connect" in info.value.message
+    assert info.value.type_name == "PeerGone" and "cannot connect" in info.value.message
 
 
 async def test_deadline_expiry_cancels_the_remote_handler(pair):
