@@ -17,7 +17,20 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from p2p import P2P, Identity, NotAMember, P2PError, PeerAddress, PeerID, PeerUnreachable, RemoteError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+
+from p2p import (
+    P2P,
+    Identity,
+    NotAMember,
+    P2PError,
+    PeerAddress,
+    PeerGone,
+    PeerID,
+    PeerIDMismatch,
+    PeerUnreachable,
+    RemoteError,
+)
 from p2p.node import CallContext
 
 from . import protocol
@@ -32,6 +45,13 @@ from .validation import CompositeValidator, DHTRecord, RecordValidator, Signatur
 logger = logging.getLogger(__name__)
 
 _MAX_SUSPECTS = 1024  # past this many, the expired ones are dropped
+JOIN_ATTEMPTS = 3  # tries of an initial peer that is slow to answer (a busy head), each within rpc_timeout
+
+
+def _worth_another_try(error: BaseException) -> bool:
+    """An initial peer that refused the connection (nothing listens), proved another identity or
+    refused us as a member will do the same again; one that did not answer in time may be busy."""
+    return isinstance(error, P2PError) and not isinstance(error, (PeerGone, PeerIDMismatch, NotAMember))
 
 
 class DHTNode:
@@ -143,6 +163,18 @@ class DHTNode:
         return self.p2p.listen_address_str
 
     # ---- joining -------------------------------------------------------------------------------
+    async def _greet(self, addr: PeerAddress) -> PeerID:
+        """The identity of initial peer ``addr``; one slow to answer gets ``JOIN_ATTEMPTS`` tries."""
+        def retrying(state: RetryCallState) -> None:
+            logger.info("initial peer %s did not answer (attempt %d of %d): %s", addr, state.attempt_number,
+                        JOIN_ATTEMPTS, state.outcome.exception() if state.outcome else None)
+
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(JOIN_ATTEMPTS), reraise=True,
+                                           retry=retry_if_exception(_worth_another_try), before_sleep=retrying):
+            with attempt:
+                peer_id = await self.p2p.connect(addr, timeout=self.rpc_timeout)
+        return peer_id
+
     async def bootstrap(self, initial_peers: Sequence[str | PeerAddress]) -> None:
         """Learn the initial peers' identities, then look ourselves up to fill the routing table."""
         addresses = [PeerAddress.parse(p) for p in initial_peers]
@@ -150,7 +182,7 @@ class DHTNode:
 
         async def meet(addr: PeerAddress) -> Contact | None:
             try:
-                peer_id = await self.p2p.connect(addr, timeout=self.rpc_timeout)
+                peer_id = await self._greet(addr)
             except P2PError as e:
                 logger.warning("initial peer %s is unreachable: %s", addr, e)
                 if isinstance(e, NotAMember):

@@ -284,3 +284,50 @@ async def test_a_replica_set_found_alone_is_found_again_once_others_join(make_sw
         near = (await ReplicaSets(node).of("run.progress"))[:3]
         got = await node.get("run.progress", at=near)
         assert got is not None and got.value == "first's record"
+
+
+async def test_an_initial_peer_too_busy_to_answer_at_first_is_tried_again(make_swarm):
+    """A joiner's first handshake with its only initial peer times out (a busy head): it tries again
+    and joins, instead of failing to start."""
+    (node,) = await make_swarm(1)
+    await node.store("k", "v", time.time() + HOUR)
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        if len(accepted) == 1:
+            return  # the first connection gets no answer at all
+        up_reader, up_writer = await asyncio.open_connection(node.address.host, node.address.port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    proxy = await asyncio.start_server(front, "127.0.0.1", 0)
+    host, port = proxy.sockets[0].getsockname()[:2]
+    try:
+        joiner = await DHTNode.create([f"{host}:{port}"], rpc_timeout=0.5)
+        make_swarm.created.append(joiner)
+        assert len(accepted) >= 2 and joiner.routing.get(node.node_id) is not None
+        assert (await joiner.get("k")).value == "v"
+    finally:
+        for writer in accepted:
+            writer.close()
+        proxy.close()
+        await proxy.wait_closed()
+
+
+async def test_an_initial_peer_that_refuses_the_connection_is_not_tried_again(make_swarm, caplog):
+    probe = await P2P.create()
+    address = str(probe.address)
+    await probe.shutdown()
+    with caplog.at_level("INFO", logger="dht.node"), pytest.raises(Exception, match="none of the 1 initial peers"):
+        await DHTNode.create([address], rpc_timeout=0.5)
+    assert not [r for r in caplog.records if "did not answer" in r.message]  # refused: nothing listens there
