@@ -31,8 +31,6 @@ for _key, _value in {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_ch
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
 
-
-
 _FOREIGN_NAMES: list[str] = []  # names this process was asked to resolve that are not this machine's
 
 
